@@ -1,0 +1,1 @@
+"""The ``gstar`` command line: ``gstar check`` (the autograder), ``gstar bench`` (the benchmark)."""

@@ -1,0 +1,172 @@
+"""The visibility rule of DESIGN.md section 1, and the tile ranges it implies.
+
+Every implementation in gstar (the naive oracle, the tiled PyTorch path, the Triton kernels) asks this
+module which keys a query sees. The rule, with ``p(i) = i + (Nk - Nq)`` (bottom-right alignment)::
+
+    visible(i, j) =  [right < 0  or  j <= p(i) + right]
+                 and [left  < 0  or  j >= p(i) - left  or  j < sink_tokens]
+
+``causal=True`` is ``right = 0``. Drawn for Nq = 4, Nk = 6 (offset 2), window (2, 0), one sink token::
+
+         keys j ->  0 1 2 3 4 5
+    i=0 (p=2)       1 1 1 . . .
+    i=1 (p=3)       1 1 1 1 . .
+    i=2 (p=4)       1 . 1 1 1 .
+    i=3 (p=5)       1 . . 1 1 1
+
+The kernels never evaluate this rule over whole tiles they do not need: the host asks
+:func:`kv_block_table` which KV blocks each Q tile visits (and :func:`q_block_table`, for the backward,
+which Q tiles each KV block is seen by). Each table splits the visited range into masked boundary
+blocks and an unmasked interior, so masks are applied only where the rule cuts through a tile.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """A normalised attention pattern: lengths plus the window bounds (``-1`` = unbounded).
+
+    Build it with :meth:`Pattern.make`, which applies the normalisations of DESIGN.md section 1
+    (``causal`` forces ``right = 0``; sink tokens only matter under a left bound).
+    """
+
+    nq: int
+    nk: int
+    left: int = -1
+    right: int = -1
+    sink_tokens: int = 0
+
+    @staticmethod
+    def make(nq: int, nk: int, *, causal: bool = False, window: tuple[int, int] = (-1, -1),
+             sink_tokens: int = 0) -> "Pattern":
+        left, right = window
+        if causal:
+            right = 0
+        if left < 0:
+            sink_tokens = 0  # without a left bound every key below p(i) + right is visible anyway
+        return Pattern(nq, nk, left, right, min(sink_tokens, nk))
+
+    @property
+    def offset(self) -> int:
+        """p(i) - i: how far query row i sits after the start of the keys."""
+        return self.nk - self.nq
+
+    def visible(self, rows, cols):
+        """The rule itself; ``rows`` and ``cols`` are ints or broadcastable integer tensors."""
+        pos = rows + self.offset
+        ok = (rows >= 0) & (rows < self.nq) & (cols >= 0) & (cols < self.nk)
+        if self.right >= 0:
+            ok = ok & (cols <= pos + self.right)
+        if self.left >= 0:
+            ok = ok & ((cols >= pos - self.left) | (cols < self.sink_tokens))
+        return ok
+
+    def mask(self, device=None) -> torch.Tensor:
+        """The full ``(Nq, Nk)`` boolean mask (for oracles and tests only: it is quadratic)."""
+        rows = torch.arange(self.nq, device=device)[:, None]
+        cols = torch.arange(self.nk, device=device)[None, :]
+        return self.visible(rows, cols)
+
+    def visible_pairs(self) -> int:
+        """The number of visible (i, j) pairs, counted per row in O(Nq) (for FLOP counts)."""
+        total = 0
+        for i in range(self.nq):
+            lo, hi = self.key_range(i, i + 1)
+            total += max(0, hi - lo) + max(0, min(self.sink_tokens, lo, hi))
+        return total
+
+    def key_range(self, row_start: int, row_end: int) -> tuple[int, int]:
+        """Keys ``[lo, hi)`` that the window band of rows ``[row_start, row_end)`` reaches (sinks excluded)."""
+        pmin, pmax = row_start + self.offset, row_end - 1 + self.offset
+        lo = max(0, pmin - self.left) if self.left >= 0 else 0
+        hi = min(self.nk, pmax + self.right + 1) if self.right >= 0 else self.nk
+        return min(lo, self.nk), max(hi, 0)
+
+
+# Column meaning of the tables below; the kernels index them by these positions.
+KV_SINK_END, KV_BAND_START, KV_FULL_START, KV_FULL_END, KV_BAND_END = range(5)
+Q_START, Q_FULL_START, Q_FULL_END, Q_END = range(4)
+
+
+def kv_blocks(pattern: Pattern, row_start: int, block_m: int, block_n: int) -> tuple[int, int, int, int, int]:
+    """KV blocks (of ``block_n`` keys) that the Q tile starting at ``row_start`` must visit.
+
+    Returns ``(sink_end, band_start, full_start, full_end, band_end)``: blocks ``[0, sink_end)`` hold sink
+    tokens outside the band (masked), ``[band_start, band_end)`` is the window band, of which
+    ``[full_start, full_end)`` is fully visible to every row of the tile (no mask needed) and the rest are
+    boundary blocks (masked). ``sink_end <= band_start`` so that no block is visited twice.
+    """
+    p = pattern
+    row_end = min(row_start + block_m, p.nq)
+    lo, hi = p.key_range(row_start, row_end)
+    sink_hi = min(p.sink_tokens, hi)  # sink keys still obey the right bound
+    if hi <= lo:
+        end = _cdiv(max(sink_hi, 0), block_n)
+        return end, end, end, end, end
+    band_start, band_end = lo // block_n, _cdiv(hi, block_n)
+    sink_end = min(_cdiv(max(sink_hi, 0), block_n), band_start)
+    pmin, pmax = row_start + p.offset, row_end - 1 + p.offset
+    full_start = max(band_start, _cdiv(pmax - p.left, block_n) if p.left >= 0 else 0)
+    full_end = min(band_end, p.nk // block_n)
+    if p.right >= 0:
+        full_end = min(full_end, (pmin + p.right + 1) // block_n)
+    if full_end <= full_start:
+        full_start = full_end = band_end
+    return sink_end, band_start, full_start, full_end, band_end
+
+
+def q_blocks(pattern: Pattern, key_start: int, block_m: int, block_n: int) -> tuple[int, int, int, int]:
+    """Q tiles (of ``block_m`` rows) that see some key of the KV block starting at ``key_start``.
+
+    Returns ``(start, full_start, full_end, end)``: tiles ``[start, end)`` are visited, and in
+    ``[full_start, full_end)`` every row sees every key of the block (no mask needed).
+    """
+    p = pattern
+    key_end = min(key_start + block_n, p.nk)
+    off = p.offset
+    rmin = max(0, key_start - p.right - off) if p.right >= 0 else 0  # first row whose right bound reaches
+    has_left = p.left >= 0 and key_start >= p.sink_tokens          # a sink key is seen by every later row
+    rmax = min(p.nq, key_end - 1 + p.left - off + 1) if has_left else p.nq
+    if rmax <= rmin:
+        return 0, 0, 0, 0
+    start, end = rmin // block_m, _cdiv(rmax, block_m)
+    full_start = start
+    if p.right >= 0:
+        full_start = max(start, _cdiv(key_end - 1 - p.right - off, block_m))
+    full_end = min(end, p.nq // block_m)
+    if p.left >= 0 and key_end > p.sink_tokens:
+        first_plain_key = max(key_start, p.sink_tokens)  # smallest key that needs the left bound
+        full_end = min(full_end, (first_plain_key + p.left - off + 1) // block_m)
+    if key_end - key_start < block_n or full_end <= full_start:
+        full_start = full_end = end
+    return start, full_start, full_end, end
+
+
+@functools.lru_cache(maxsize=256)
+def _tables(pattern: Pattern, block_m: int, block_n: int, device: str, kind: str) -> torch.Tensor:
+    if kind == "kv":
+        rows = [kv_blocks(pattern, s, block_m, block_n) for s in range(0, pattern.nq, block_m)]
+    else:
+        rows = [q_blocks(pattern, s, block_m, block_n) for s in range(0, pattern.nk, block_n)]
+    width = 5 if kind == "kv" else 4
+    return torch.tensor(rows, dtype=torch.int32).reshape(-1, width).to(device)
+
+
+def kv_block_table(pattern: Pattern, block_m: int, block_n: int, device="cpu") -> torch.Tensor:
+    """:func:`kv_blocks` for every Q tile: int32 ``(cdiv(Nq, block_m), 5)``, cached per pattern and tiles."""
+    return _tables(pattern, block_m, block_n, str(device), "kv")
+
+
+def q_block_table(pattern: Pattern, block_m: int, block_n: int, device="cpu") -> torch.Tensor:
+    """:func:`q_blocks` for every KV block: int32 ``(cdiv(Nk, block_n), 4)``, cached per pattern and tiles."""
+    return _tables(pattern, block_m, block_n, str(device), "q")
