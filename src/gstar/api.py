@@ -35,7 +35,9 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, pattern, scale, backend):
         forward_fn, _ = _backend_fns(backend)
-        sinks32 = None if sinks is None else sinks.detach().float()          # (Hq,)
+        # kernels take float32 sinks; the torch path keeps float64 so that gradcheck sees full precision
+        stat = torch.float32 if backend == "triton" else torch.promote_types(q.dtype, torch.float32)
+        sinks32 = None if sinks is None else sinks.detach().to(stat)          # (Hq,)
         out, lse = forward_fn(q, k, v, sinks32, pattern, scale)               # (B,Hq,Nq,D), (B,Hq,Nq)
         ctx.save_for_backward(q, k, v, out, lse, sinks32)
         ctx.pattern, ctx.scale, ctx.backend = pattern, scale, backend

@@ -43,3 +43,114 @@ def naive_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
     lse = torch.where(nonempty, m + torch.log(torch.where(nonempty, den, torch.ones_like(den))), -math.inf)
     out = p.to(v.dtype) @ v                                            # (B, Hq, Nq, Dv)
     return out, lse.squeeze(-1).to(torch.promote_types(stat, torch.float32))
+
+
+TILE = 64  # rows and keys per tile of the PyTorch path; memory is O(TILE * N), never O(N^2)
+
+
+def _tiles(pattern: Pattern, tile: int):
+    """Yield ``(row_start, [(key_block, masked), ...])`` per Q tile, from the pattern's block table."""
+    for t, (sink_end, band_start, full_start, full_end, band_end) in enumerate(
+            kv_block_table(pattern, tile, tile).tolist()):
+        blocks = [(b, True) for b in range(sink_end)]
+        blocks += [(b, not full_start <= b < full_end) for b in range(band_start, band_end)]
+        yield t * tile, blocks
+
+
+def _scores(pattern, q_t, k, r0, b, masked, scale, tile):
+    """Scaled scores of one (Q tile, KV block) pair, -inf where the rule hides a key.
+
+    q_t: (B, Hkv, G, bm, D) in the statistics dtype; returns (B, Hkv, G, bm, bn) and the key slice.
+    """
+    keys = slice(b * tile, min((b + 1) * tile, pattern.nk))
+    s = q_t @ k[:, :, None, keys].to(q_t.dtype).transpose(-1, -2) * scale   # (B, Hkv, G, bm, bn)
+    if masked:
+        rows = torch.arange(r0, r0 + q_t.shape[3], device=q_t.device)[:, None]
+        cols = torch.arange(keys.start, keys.stop, device=q_t.device)[None, :]
+        s = s.masked_fill(~pattern.visible(rows, cols), -math.inf)
+    return s, keys
+
+
+def tiled_forward(q, k, v, sinks, pattern: Pattern, scale: float, tile: int = TILE):
+    """Online-softmax forward over tiles. Shapes as in ``gstar.kernels.forward.attention_forward``.
+
+    q: (B, Hq, Nq, D), k, v: (B, Hkv, Nk, D), sinks: None or (Hq,). Returns out (q's dtype and layout) and
+    lse (B, Hq, Nq) in float32 (float64 for float64 inputs).
+    """
+    B, Hq, Nq, D = q.shape
+    Hkv = k.shape[1]
+    stat = torch.promote_types(q.dtype, torch.float32)
+    out = torch.empty_like(q)
+    lse = torch.empty((B, Hq, Nq), dtype=stat, device=q.device)
+    for r0, blocks in _tiles(pattern, tile):
+        rows = slice(r0, min(r0 + tile, Nq))
+        q_t = q[:, :, rows].unflatten(1, (Hkv, -1)).to(stat)                # (B, Hkv, G, bm, D)
+        m = torch.full(q_t.shape[:-1], -math.inf, dtype=stat, device=q.device)  # (B, Hkv, G, bm)
+        den = torch.zeros_like(m)
+        if sinks is not None:  # the sink is a key with logit sinks[h] and no value
+            m = m.clone().copy_(sinks.to(stat).view(1, Hkv, -1, 1).expand_as(m))
+            den.fill_(1.0)
+        acc = torch.zeros_like(q_t)                                          # (B, Hkv, G, bm, D)
+        for b, masked in blocks:
+            s, keys = _scores(pattern, q_t, k, r0, b, masked, scale, tile)
+            m_new = torch.maximum(m, s.amax(dim=-1))
+            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows still empty
+            alpha = torch.exp(m - m_safe)
+            p = torch.exp(s - m_safe[..., None])                            # (B, Hkv, G, bm, bn)
+            den = den * alpha + p.sum(dim=-1)
+            acc = acc * alpha[..., None] + p @ v[:, :, None, keys].to(stat)
+            m = m_new
+        nonempty = den > 0
+        safe_den = torch.where(nonempty, den, torch.ones_like(den))
+        out[:, :, rows] = (acc / safe_den[..., None]).flatten(1, 2).to(q.dtype)
+        lse[:, :, rows] = torch.where(nonempty, m + torch.log(safe_den), -math.inf).flatten(1, 2)
+    return out, lse
+
+
+def tiled_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale: float, tile: int = TILE):
+    """Backward that recomputes probabilities tile by tile from ``lse``. Returns (dq, dk, dv, dsinks).
+
+    dK/dV are accumulated per kv head (summed over its query-head group) in one (B, Hkv, Nk, D) buffer.
+    """
+    B, Hq, Nq, D = q.shape
+    Hkv = k.shape[1]
+    stat = torch.promote_types(q.dtype, torch.float32)
+    delta = (dout.to(stat) * out.to(stat)).sum(dim=-1)                      # (B, Hq, Nq)
+    if dlse is not None:
+        delta = delta - dlse.to(stat)
+    lse_safe = torch.where(torch.isinf(lse), math.inf, lse).to(stat)        # empty rows: P = exp(-inf) = 0
+    dq = torch.empty_like(q)
+    dk = torch.zeros(k.shape, dtype=stat, device=k.device)                  # (B, Hkv, Nk, D)
+    dv = torch.zeros(v.shape, dtype=stat, device=v.device)
+    for r0, blocks in _tiles(pattern, tile):
+        rows = slice(r0, min(r0 + tile, Nq))
+        q_t = q[:, :, rows].unflatten(1, (Hkv, -1)).to(stat)                # (B, Hkv, G, bm, D)
+        do_t = dout[:, :, rows].unflatten(1, (Hkv, -1)).to(stat)
+        lse_t = lse_safe[:, :, rows].unflatten(1, (Hkv, -1))[..., None]     # (B, Hkv, G, bm, 1)
+        delta_t = delta[:, :, rows].unflatten(1, (Hkv, -1))[..., None]
+        dq_t = torch.zeros_like(q_t)
+        for b, masked in blocks:
+            s, keys = _scores(pattern, q_t, k, r0, b, masked, scale, tile)
+            p = torch.exp(s - lse_t)                                         # (B, Hkv, G, bm, bn)
+            dv[:, :, keys] += torch.einsum("bhgmn,bhgmd->bhnd", p, do_t)
+            dp = do_t @ v[:, :, None, keys].to(stat).transpose(-1, -2)
+            ds = p * (dp - delta_t)
+            dq_t += ds @ k[:, :, None, keys].to(stat) * scale
+            dk[:, :, keys] += torch.einsum("bhgmn,bhgmd->bhnd", ds, q_t) * scale
+        dq[:, :, rows] = dq_t.flatten(1, 2).to(q.dtype)
+    dsinks = None
+    if sinks is not None:
+        dsinks = -(torch.exp(sinks.to(stat).view(1, Hq, 1) - lse.to(stat)) * delta).sum(dim=(0, 2))
+    return dq, dk.to(k.dtype), dv.to(v.dtype), dsinks
+
+
+def tiled_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, sinks=None, scale=None,
+                    return_lse=False):
+    """FlashAttention in plain PyTorch: ``gstar.flash_attention(..., backend="torch")``.
+
+    Same arguments, semantics and autograd as :func:`gstar.flash_attention`; also accepts float64 (for
+    ``torch.autograd.gradcheck``). Never builds an Nq x Nk matrix: peak memory is linear in N.
+    """
+    from .api import flash_attention
+    return flash_attention(q, k, v, causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks,
+                           scale=scale, return_lse=return_lse, backend="torch")
