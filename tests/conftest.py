@@ -22,6 +22,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture
+def device():
+    """Where kernel tests run: the GPU when there is one, else the CPU under the Triton interpreter."""
+    return "cuda" if HAS_CUDA else "cpu"
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

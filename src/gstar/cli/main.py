@@ -10,6 +10,7 @@ import sys
 COMMANDS = {
     "check": ("gstar.cli.check", "run the nine-stage autograder (correctness, then speed and memory vs PyTorch)"),
     "bench": ("gstar.cli.bench", "benchmark gstar against its peers on this machine"),
+    "roofline": ("gstar.cli.roofline", "measure this GPU's memory and matmul ceilings (JSON for gstar bench)"),
 }
 
 
