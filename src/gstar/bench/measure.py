@@ -1,0 +1,201 @@
+"""Measurement shared by ``gstar check`` and ``gstar bench``: inputs, the oracle, the bar, time, memory.
+
+- The oracle is :func:`gstar.reference.naive_attention`, run in pieces (batch elements, groups of kv
+  heads and, for patterns with no key right of the diagonal, blocks of query rows) so that it fits in
+  memory at the gpt-oss and long-context shapes; each piece is exact, so the result equals one big call.
+- Time: ``triton.testing.do_bench`` (median) on a GPU; a median of a few wall-clock runs on a CPU.
+- Peak memory: the bytes allocated at the peak of one call beyond what was allocated before it, plus the
+  bytes of the inputs the call reads (so "inputs + everything the call needs"). On a GPU this comes from
+  ``torch.cuda.max_memory_allocated``; on a CPU from the PyTorch profiler's allocation events (it sees
+  PyTorch tensors only, not the NumPy buffers of the Triton interpreter).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from ..accuracy import Verdict, relative_error, verdict
+from ..reference import naive_attention
+from .cases import Case
+
+FLOAT32_BAR = 1e-4  # DESIGN.md section 4: float32 inputs must reach this relative error
+
+
+def make_inputs(case: Case, device, *, seed: int = 0) -> dict:
+    """``q, k, v`` (and ``sinks``, ``dout``) for ``case``: standard normal, the same for every implementation.
+
+    q: (B, Hq, N, D), k, v: (B, Hkv, N, D) in the case's dtype; sinks: (Hq,) float32 or None;
+    dout: (B, Hq, N, D), the upstream gradient of the backward modes.
+    """
+    g = torch.Generator(device=device).manual_seed(seed)
+    B, Hq, Hkv, N, D = case.batch, case.heads, case.kv_heads, case.seqlen, case.head_dim
+    rand = lambda *shape: torch.randn(*shape, generator=g, device=device, dtype=torch.float32)  # noqa: E731
+    dt = case.torch_dtype
+    return {"q": rand(B, Hq, N, D).to(dt), "k": rand(B, Hkv, N, D).to(dt), "v": rand(B, Hkv, N, D).to(dt),
+            "sinks": rand(Hq) if case.sinks else None, "dout": rand(B, Hq, N, D).to(dt)}
+
+
+def _budget(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return min(4 << 30, free // 4)
+    return 512 << 20
+
+
+def naive_reference(case: Case, inputs: dict, dtype: torch.dtype, *, grads: bool) -> dict:
+    """``naive_attention`` of ``inputs`` computed in ``dtype``: ``out`` and, with ``grads``, ``dq dk dv``
+    (and ``dsinks``) for the upstream gradient ``inputs["dout"]``. Results keep ``dtype``.
+    """
+    q, k, v, sinks, dout = (inputs[n] for n in ("q", "k", "v", "sinks", "dout"))
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    p = case.pattern
+    # ~8 float32 buffers of Nk keys per (row, head) while the score matrix and its gradient are alive
+    rows_fit = max(1, _budget(q.device) // (group * Nk * 4 * 8))
+    kv_step = max(1, min(Hkv, rows_fit // Nq))
+    # A block of rows is exact with the keys up to its last row's position when no key lies right of p(i)
+    # (right bound 0), or with all keys when nothing depends on position (no bound at all); other patterns
+    # take all rows in one piece.
+    prefix = p.right == 0
+    rowwise = prefix or (p.left < 0 and p.right < 0)
+    row_step = min(Nq, rows_fit) if (kv_step == 1 and rowwise) else Nq
+    acc = torch.promote_types(dtype, torch.float32)  # dk, dv, dsinks sum over pieces
+    out = torch.empty(B, Hq, Nq, D, dtype=dtype, device=q.device)
+    if grads:
+        dq = torch.empty_like(out)
+        dk = torch.zeros(B, Hkv, Nk, D, dtype=acc, device=q.device)
+        dv = torch.zeros_like(dk)
+        dsinks = None if sinks is None else torch.zeros(Hq, dtype=acc, device=q.device)
+    for b in range(B):
+        for g0 in range(0, Hkv, kv_step):
+            g1 = min(Hkv, g0 + kv_step)
+            h0, h1 = g0 * group, g1 * group
+            for r0 in range(0, Nq, row_step):
+                r1 = min(Nq, r0 + row_step)
+                ke = Nk - Nq + r1 if prefix else Nk  # keys [0, ke) hold every key rows r0..r1 see
+                piece = [q[b:b + 1, h0:h1, r0:r1], k[b:b + 1, g0:g1, :ke], v[b:b + 1, g0:g1, :ke]]
+                piece = [t.detach().to(dtype).requires_grad_(grads) for t in piece]
+                sk = None if sinks is None else sinks[h0:h1].detach().to(dtype).requires_grad_(grads)
+                with torch.enable_grad() if grads else torch.no_grad():
+                    o, _ = naive_attention(*piece, causal=case.causal, window=case.window,
+                                           sink_tokens=case.sink_tokens, sinks=sk)
+                out[b:b + 1, h0:h1, r0:r1] = o.detach()
+                if grads:
+                    wrt = piece + ([sk] if sk is not None else [])
+                    gs = torch.autograd.grad(o, wrt, dout[b:b + 1, h0:h1, r0:r1].to(dtype))
+                    dq[b:b + 1, h0:h1, r0:r1] = gs[0]
+                    dk[b:b + 1, g0:g1, :ke] += gs[1]
+                    dv[b:b + 1, g0:g1, :ke] += gs[2]
+                    if sk is not None:
+                        dsinks[h0:h1] += gs[3]
+                del piece, sk, o
+    if not grads:
+        return {"out": out}
+    res = {"out": out, "dq": dq, "dk": dk.to(dtype), "dv": dv.to(dtype)}
+    if dsinks is not None:
+        res["dsinks"] = dsinks.to(dtype)
+    return res
+
+
+def oracle_dtype(device: torch.device) -> torch.dtype:
+    """DESIGN.md section 4: float64 on a CPU, float32 on a GPU."""
+    return torch.float64 if device.type == "cpu" else torch.float32
+
+
+def references(case: Case, inputs: dict, *, grads: bool) -> tuple[dict, dict | None]:
+    """``(oracle, pytorch)``: the high-precision oracle and naive PyTorch in the input dtype (the bar's
+    baseline; ``None`` for float32 inputs, whose bar is a relative error).
+    """
+    device = inputs["q"].device
+    ref = naive_reference(case, inputs, oracle_dtype(device), grads=grads)
+    pt = None if case.torch_dtype == torch.float32 else naive_reference(case, inputs, case.torch_dtype, grads=grads)
+    return ref, pt
+
+
+def judge(name: str, x: torch.Tensor, ref: torch.Tensor, pt: torch.Tensor | None) -> Verdict:
+    """The bar of DESIGN.md section 4 for one tensor: 2x PyTorch's error for ``out``, 3x for gradients;
+    relative error < 1e-4 when there is no low-precision baseline (float32 inputs).
+    """
+    if pt is None:
+        return Verdict(f"{name} (rel)", relative_error(x, ref), FLOAT32_BAR)
+    return verdict(name, x, ref, pt, factor=2.0 if name == "out" else 3.0)
+
+
+def judge_all(got: dict, ref: dict, pt: dict | None) -> list[Verdict]:
+    """:func:`judge` for every tensor in ``got`` (``out``, ``dq`` ...), against the same keys of ``ref``."""
+    return [judge(name, x, ref[name], None if pt is None else pt[name]) for name, x in got.items()]
+
+
+def time_ms(fn, device: torch.device, *, cpu_runs: int = 3) -> float:
+    """Median milliseconds of ``fn()``: ``triton.testing.do_bench`` on a GPU; on a CPU the wall-clock
+    median of at least ``cpu_runs`` runs after a warm-up (a single cold run when ``cpu_runs == 1``, for
+    callers whose ``fn`` already ran once, such as the Triton interpreter's slow runs).
+    """
+    if device.type == "cuda":
+        import triton.testing
+        return float(triton.testing.do_bench(fn, return_mode="median"))
+    if cpu_runs > 1:
+        fn()  # warm-up (allocator, first-call dispatch)
+    runs, start = [], time.perf_counter()
+    while len(runs) < cpu_runs or (cpu_runs > 1 and len(runs) < 10 and time.perf_counter() - start < 1.0):
+        t0 = time.perf_counter()
+        fn()
+        runs.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(runs)
+
+
+@contextlib.contextmanager
+def _quiet_fd2():
+    """Silence file descriptor 2: the profiler's C++ backend logs start/stop lines there."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _cpu_extra_bytes(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+    with _quiet_fd2(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start)
+    live = peak = 0
+    for e in events:
+        live += e.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+def peak_bytes(fn, device: torch.device, held: int) -> int:
+    """Peak bytes of one ``fn()`` call: what it allocates at its peak beyond the live memory before it,
+    plus ``held`` (the bytes of the inputs it reads).
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base + held
+    return _cpu_extra_bytes(fn) + held
+
+
+def nbytes(*tensors) -> int:
+    """Total bytes of the tensors given (``None`` entries count 0)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Out of memory on a GPU (or the CPU allocator's equivalent)."""
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()

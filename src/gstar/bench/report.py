@@ -1,0 +1,132 @@
+"""Where results go: the machine's description, JSON, CSV, and the plot against sequence length."""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import importlib.metadata as md
+import json
+import platform
+import shlex
+import subprocess
+import sys
+
+import torch
+
+
+def _dist_version(module: str) -> str | None:
+    """Version of the installed distribution that provides top-level ``module`` (None if not installed)."""
+    for dist in md.packages_distributions().get(module, []) or [module]:
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def _driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _command() -> str:
+    """This process's command line, as ``gstar ...`` when it is the gstar console script or its module."""
+    if sys.argv and sys.argv[0].endswith(("gstar", "main.py", "__main__.py")):
+        return shlex.join(["gstar"] + sys.argv[1:])
+    return shlex.join(sys.argv)
+
+
+def environment(device: torch.device, modules=()) -> dict:
+    """Card, driver, CUDA, torch, triton and peer versions, the date and the command line of this run."""
+    from .. import __version__
+    cuda = device.type == "cuda"
+    return {
+        "device": device.type,
+        "card": torch.cuda.get_device_name(device) if cuda else _cpu_name(),
+        "driver": _driver() if cuda else None,
+        "cuda": torch.version.cuda if cuda else None,
+        "torch": torch.__version__,
+        "triton": _dist_version("triton"),
+        "python": platform.python_version(),
+        "gstar": __version__,
+        "peers": {m: _dist_version(m) for m in modules if m not in ("torch", "gstar")},
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": _command(),
+    }
+
+
+def write_json(path: str, payload: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+        f.write("\n")
+
+
+CSV_CASE_FIELDS = ("family", "batch", "heads", "kv_heads", "seqlen", "head_dim", "causal", "window_left",
+                   "window_right", "sink_tokens", "sinks", "dtype")
+CSV_ROW_FIELDS = ("impl", "status", "reason", "time_ms", "tflops", "peak_mib", "vs_gstar", "max_error",
+                  "memory_floor_ms", "compute_floor_ms", "bound", "floor_pct")
+CSV_ENV_FIELDS = ("card", "driver", "cuda", "torch", "triton", "date", "command")
+
+
+def write_csv(path: str, rows: list[dict], env: dict, mode: str) -> None:
+    """One line per (case, implementation), with the environment repeated on each line."""
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(CSV_CASE_FIELDS + ("mode",) + CSV_ROW_FIELDS + CSV_ENV_FIELDS)
+        for r in rows:
+            c = dict(r["case"], window_left=r["case"]["window"][0], window_right=r["case"]["window"][1])
+            errors = [ch["error"] for ch in r["checks"]]
+            row = dict(r, max_error=max(errors) if errors else None)
+            w.writerow([c[k] for k in CSV_CASE_FIELDS] + [mode] + [row.get(k) for k in CSV_ROW_FIELDS]
+                       + [env.get(k) for k in CSV_ENV_FIELDS])
+
+
+def plot(path: str, rows: list[dict], env: dict, mode: str, metric: str = "tflops") -> None:
+    """TFLOP/s (or time) against sequence length, one subplot per case series, one line per implementation."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key = "tflops" if metric == "tflops" else "time_ms"
+    series = list(dict.fromkeys(r["series"] for r in rows))
+    cols = min(3, max(1, len(series)))
+    nrows = -(-len(series) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 4 * nrows), squeeze=False)
+    for ax, name in zip(axes.flat, series):
+        by_impl: dict[str, list] = {}
+        for r in rows:
+            if r["series"] == name and r[key] is not None:
+                by_impl.setdefault(r["impl"], []).append((r["case"]["seqlen"], r[key], r["status"]))
+        for impl, pts in by_impl.items():
+            pts.sort()
+            wrong = any(s == "WRONG" for _, _, s in pts)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="x" if wrong else "o",
+                    linestyle=":" if wrong else "-", label=impl + (" (WRONG)" if wrong else ""))
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("TFLOP/s (visible pairs)" if key == "tflops" else "median time (ms)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(series):]:
+        ax.axis("off")
+    fig.suptitle(f"gstar bench, {mode}: {env['card']} (torch {env['torch']}, triton {env['triton']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,107 @@
+"""One row of ``gstar bench``: check an implementation against the oracle, then time it and weigh it.
+
+Each row's status is ``ok``, ``WRONG`` (it ran but missed the bar; still timed, so a fast wrong peer is
+visible as such), ``n/a`` (the peer cannot express the case, with the reason), ``OOM`` or ``error``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cases import Case
+from .measure import is_oom, judge_all, nbytes, peak_bytes, time_ms
+from .peers import Peer
+
+_NO_KERNEL = ("no available kernel", "no viable backend", "not supported", "unsupported")
+
+
+def _leaves(inputs: dict, layout: str, grads: bool):
+    """``(leaves, views, to_bhnd)``: tensors gradients are taken for, the ``(B, H, N, D)`` views the
+    implementation receives, and how to bring a leaf's gradient back to ``(B, H, N, D)``.
+    """
+    leaves, views = [], []
+    for name in ("q", "k", "v"):
+        t = inputs[name]
+        leaf = (t.transpose(1, 2).contiguous() if layout == "bnhd" else t.clone()).requires_grad_(grads)
+        leaves.append(leaf)
+        views.append(leaf.transpose(1, 2) if layout == "bnhd" else leaf)
+    sinks = inputs["sinks"]
+    if sinks is not None:
+        sinks = sinks.clone().requires_grad_(grads)
+        leaves.append(sinks)
+    views.append(sinks)
+    to_bhnd = (lambda g: g.transpose(1, 2)) if layout == "bnhd" else (lambda g: g)
+    return leaves, views, to_bhnd
+
+
+def _row(peer: Peer, case: Case, status: str, reason: str | None = None, **measured) -> dict:
+    row = {"case": case.as_dict(), "series": case.series, "impl": peer.name, "status": status, "reason": reason,
+           "time_ms": None, "tflops": None, "peak_mib": None, "vs_gstar": None, "checks": []}
+    row.update(measured)
+    return row
+
+
+def run_row(peer: Peer, case: Case, mode: str, inputs: dict, ref: dict, pt: dict | None,
+            device: torch.device) -> dict:
+    """Check ``peer`` on ``case`` against ``ref`` (with the bar's baseline ``pt``), then time it in ``mode``."""
+    reason = peer.unavailable(device) or peer.unsupported(case, device, mode)
+    if reason:
+        return _row(peer, case, "n/a", reason)
+    grads = mode != "fwd"
+    dout = inputs["dout"]
+    try:
+        fn = peer.build(case, device)
+        leaves, views, to_bhnd = _leaves(inputs, peer.layout, grads)
+        dout_view = to_bhnd(to_bhnd(dout).contiguous()) if peer.layout == "bnhd" else dout
+
+        def forward():
+            return fn(*views)
+
+        def forward_backward():
+            return torch.autograd.grad(forward(), leaves, dout_view)
+
+        def forward_only():
+            with torch.no_grad():
+                return forward()
+
+        if grads:  # one forward with autograd serves both checks (one compilation for compiled peers)
+            out = forward()
+            got = {"out": out.detach()}
+            names = ("dq", "dk", "dv", "dsinks")
+            got.update({n: to_bhnd(g) if n != "dsinks" else g
+                        for n, g in zip(names, torch.autograd.grad(out, leaves, dout_view))})
+            del out
+        else:
+            got = {"out": forward_only()}
+        checks = judge_all(got, ref, pt)
+        del got
+        held = nbytes(*leaves) + (nbytes(dout_view) if grads else 0)
+        peak = peak_bytes(forward_backward if grads else forward_only, device, held)
+        if mode == "bwd":
+            out = forward()
+            t = time_ms(lambda: torch.autograd.grad(out, leaves, dout_view, retain_graph=True), device)
+            del out
+        else:
+            t = time_ms(forward_backward if grads else forward_only, device)
+    except Exception as exc:  # a row's failure is a result, not a crash of the whole benchmark
+        msg = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        if is_oom(exc):
+            return _row(peer, case, "OOM", msg)
+        if any(s in msg.lower() for s in _NO_KERNEL):
+            return _row(peer, case, "n/a", msg.split(". ")[0])
+        return _row(peer, case, "error", f"{type(exc).__name__}: {msg}")
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    status = "ok" if all(c.ok for c in checks) else "WRONG"
+    return _row(peer, case, status, None if status == "ok" else "; ".join(str(c) for c in checks if not c.ok),
+                time_ms=t, tflops=case.flops(mode) / (t * 1e-3) / 1e12, peak_mib=peak / 2**20,
+                checks=[{"name": c.name, "error": c.error, "allowed": c.allowed, "ok": c.ok} for c in checks])
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """``vs_gstar``: each row's time divided by gstar's on the same case (> 1: slower than gstar)."""
+    base = {r["case"]["label"]: r["time_ms"] for r in rows if r["impl"] == "gstar" and r["time_ms"]}
+    for r in rows:
+        b = base.get(r["case"]["label"])
+        r["vs_gstar"] = r["time_ms"] / b if b and r["time_ms"] else None

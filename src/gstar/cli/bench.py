@@ -1,0 +1,191 @@
+"""``gstar bench``: gstar against its peers, same inputs, same process, checked before timed.
+
+Suites (DESIGN.md section 5): ``gpt-oss``, ``long``, ``fa``, ``stages``, ``all``; or one custom case per
+``--seqlen`` from the shape flags. Implementations: gstar, eager (Hugging Face GPT-OSS style), SDPA flash
+and cuDNN, compiled FlexAttention, and FlashAttention-4 / fla when importable. Every row is checked against
+the naive oracle with the correctness bar before it is timed; a peer that cannot express a case shows as
+``n/a (reason)``. On a CPU-only machine it compares gstar's tiled PyTorch path with eager attention at
+reduced shapes (kernel timings need a GPU).
+
+This module is imported while the parser is built: it must not import triton or ``gstar.kernels``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..bench.cases import DTYPES, MODES, SUITE_NAMES
+from ..bench.peers import PEER_NAMES
+
+_SHAPE_FLAGS = ("batch", "heads", "kv_heads", "seqlen", "head_dim", "window", "sink_tokens", "sinks", "causal",
+                "dtype")
+
+
+def _impl_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in PEER_NAMES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown implementation(s) {', '.join(bad)}; "
+                                         f"choose from {', '.join(PEER_NAMES)}")
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``gstar bench``."""
+    parser.add_argument("--suite", choices=SUITE_NAMES, default="gpt-oss",
+                        help="reference shapes of DESIGN.md section 5 (default: gpt-oss)")
+    parser.add_argument("--mode", choices=MODES, default="fwd",
+                        help="time the forward, the backward alone, or both (default: fwd)")
+    parser.add_argument("--impls", type=_impl_list, default=list(PEER_NAMES), metavar="A,B,...",
+                        help=f"comma-separated subset of: {', '.join(PEER_NAMES)} (default: all)")
+    shape = parser.add_argument_group("custom shape (any of these replaces the suite by one case per --seqlen)")
+    shape.add_argument("--batch", type=int, help="batch size (default 1)")
+    shape.add_argument("--heads", type=int, help="query heads (default 16)")
+    shape.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
+    shape.add_argument("--seqlen", type=int, nargs="+", action="extend", metavar="N",
+                       help="sequence length(s); repeat or list several (default 1024)")
+    shape.add_argument("--head-dim", type=int, help="head dimension (default 64)")
+    shape.add_argument("--window", type=int, nargs=2, metavar=("LEFT", "RIGHT"),
+                       help="sliding window, inclusive, -1 = unbounded (GPT-OSS: 127 0)")
+    shape.add_argument("--sink-tokens", type=int, help="first keys exempt from the window's left bound")
+    shape.add_argument("--sinks", action="store_true", default=None, help="learned per-head sink logits")
+    shape.add_argument("--causal", action="store_true", default=None, help="causal mask")
+    shape.add_argument("--dtype", choices=sorted(DTYPES), help="input dtype (default bfloat16)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", metavar="FILE", help="write rows and environment as JSON")
+    out.add_argument("--csv", metavar="FILE", help="write rows as CSV")
+    out.add_argument("--plot", metavar="FILE.png", help="plot against sequence length (needs matplotlib)")
+    out.add_argument("--plot-metric", choices=("tflops", "time"), default="tflops", help="y axis of --plot")
+    out.add_argument("--roofline", metavar="FILE", help="roofline JSON of the card (default: the one "
+                     "`gstar roofline` stored for this card, if any) for the memory / compute floor columns")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+
+
+def cases_from_args(args, device_type: str):
+    """The cases to run: the custom shape when any shape flag is given, else the suite (shrunk on CPU)."""
+    from ..bench import cases
+    if any(getattr(args, f) is not None for f in _SHAPE_FLAGS):
+        dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(args.dtype, args.dtype)
+        return cases.custom(args.seqlen or [1024], batch=args.batch or 1, heads=args.heads or 16,
+                            kv_heads=args.kv_heads, head_dim=args.head_dim or 64, causal=bool(args.causal),
+                            window=tuple(args.window or (-1, -1)), sink_tokens=args.sink_tokens or 0,
+                            sinks=bool(args.sinks), dtype=dtype or "bfloat16")
+    chosen = cases.suite(args.suite)
+    return chosen if device_type == "cuda" else [cases.for_cpu(c) for c in chosen]
+
+
+def _fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def _table(rows, mode, console):
+    from rich.table import Table
+    has_floor = any(r.get("floor_pct") is not None for r in rows)
+    mem_what = "fwd" if mode == "fwd" else "fwd+bwd"
+    t = Table(title=f"gstar bench ({mode})", show_lines=False)
+    for col, just in (("case", "left"), ("impl", "left"), ("status", "left"), ("ms (median)", "right"),
+                      ("TFLOP/s", "right"), (f"peak MiB ({mem_what})", "right"), ("time / gstar", "right")):
+        t.add_column(col, justify=just)
+    if has_floor:
+        for col in ("mem floor ms", "compute floor ms", "% of floor"):
+            t.add_column(col, justify="right")
+    last = None
+    hidden = sorted({r["impl"] for r in rows if r["reason"] == "needs CUDA"})
+    for r in rows:
+        if r["impl"] in hidden:
+            continue
+        label = r["case"]["label"] if r["case"]["label"] != last else ""
+        if label and last is not None:
+            t.add_section()
+        last = r["case"]["label"]
+        status = r["status"] if not r["reason"] else f"{r['status']} ({r['reason']})"
+        style = {"ok": None, "WRONG": "bold red", "error": "red", "OOM": "yellow"}.get(r["status"], "dim")
+        cells = [label, r["impl"], status, _fmt(r["time_ms"], ".3f"), _fmt(r["tflops"], ".3g"),
+                 _fmt(r["peak_mib"], ".1f"), _fmt(r["vs_gstar"], ".2f") + ("x" if r["vs_gstar"] else "")]
+        if has_floor:
+            cells += [_fmt(r.get("memory_floor_ms"), ".3g"), _fmt(r.get("compute_floor_ms"), ".3g"),
+                      _fmt(r.get("floor_pct"), ".3g")]
+        t.add_row(*cells, style=style)
+    console.print(t)
+    if hidden:
+        console.print(f"n/a on this machine (needs CUDA): {', '.join(hidden)}")
+
+
+def _add_floors(row: dict, case, mode: str, card: dict) -> None:
+    """Memory and compute floors of the case on this card (its ``gstar roofline`` measurement) and the
+    percentage of the nearer (larger) floor that the row's time reaches (100 = at the roofline)."""
+    from ..roofline import floors
+    f = floors(case.flops(mode), case.bytes_moved(mode), card, ms=row["time_ms"])
+    row.update(memory_floor_ms=f["memory_ms"], compute_floor_ms=f["compute_ms"], bound=f["bound"],
+               floor_pct=f["pct_of_floor"])
+
+
+def run(args) -> int:
+    """Run the benchmark; exit status 1 when gstar itself is WRONG or fails on some case, else 0."""
+    import torch
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..bench import peers as peer_mod
+    from ..bench import report
+    from ..bench.measure import make_inputs, references
+    from ..bench.runner import add_ratios, run_row
+
+    console = Console(stderr=True, soft_wrap=True)
+    device = torch.device("cuda" if cuda else "cpu")
+    try:
+        cases = cases_from_args(args, device.type)
+    except ValueError as exc:
+        console.print(f"[red]gstar bench: {exc}")
+        return 2
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401 - fail before the run, not after it
+        except ImportError:
+            console.print("[red]gstar bench: --plot needs matplotlib (pip install 'gstar[bench]')")
+            return 2
+    chosen = [p for p in peer_mod.all_peers() if p.name in args.impls]
+    env = report.environment(device, modules=[p.module for p in chosen])
+    if cuda:
+        console.print(f"gstar bench on {env['card']} (driver {env['driver']}, CUDA {env['cuda']}, "
+                      f"torch {env['torch']}, triton {env['triton']})")
+    else:
+        console.print("[yellow]No GPU: comparing gstar's tiled PyTorch path with eager attention at reduced "
+                      "shapes (CPU timings); kernel timings need a GPU.")
+    from ..roofline import load
+    card = load(args.roofline) if args.roofline else (load() if cuda else None)
+    if cuda and card is None:
+        console.print("no roofline stored for this card (run `gstar roofline`): floors not shown")
+    rows = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        task = progress.add_task("bench", total=len(cases) * len(chosen))
+        for case in cases:
+            progress.update(task, description=f"{case.label}: reference")
+            inputs = make_inputs(case, device, seed=args.seed)
+            ref, pt = references(case, inputs, grads=args.mode != "fwd")
+            for peer in chosen:
+                progress.update(task, description=f"{case.label}: {peer.name}")
+                row = run_row(peer, case, args.mode, inputs, ref, pt, device)
+                if card and row["time_ms"]:
+                    _add_floors(row, case, args.mode, card)
+                rows.append(row)
+                progress.advance(task)
+            del inputs, ref, pt
+    add_ratios(rows)
+    _table(rows, args.mode, Console(width=None if sys.stdout.isatty() else 200))
+    payload = {"tool": "gstar bench", "suite": None if rows and rows[0]["case"]["family"] == "custom"
+               else args.suite, "mode": args.mode, "environment": env, "roofline": card, "rows": rows}
+    if args.json:
+        report.write_json(args.json, payload)
+    if args.csv:
+        report.write_csv(args.csv, rows, env, args.mode)
+    if args.plot:
+        report.plot(args.plot, rows, env, args.mode, args.plot_metric)
+    bad = [r for r in rows if r["impl"] == "gstar" and r["status"] in ("WRONG", "error")]
+    return 1 if bad else 0

@@ -1,0 +1,46 @@
+"""Tile sizes and launch settings of the Triton kernels, in one small table per kernel.
+
+Every kernel asks here and nowhere else, so that tuning touches only this file. The CUDA rows are chosen
+for Hopper (H100: 228 KiB shared memory per SM): the Q tile stays resident and K/V tiles are pipelined
+``num_stages`` deep, so the budget is roughly ``(BLOCK_M + 2 * num_stages * BLOCK_N) * D_PAD * bytes``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..pattern import Pattern
+
+# (largest head dim, BLOCK_M, BLOCK_N, num_warps, num_stages); the first row whose head dim fits wins.
+# Untuned starting points, checked by compiling for sm_90: no register spills for 16-bit inputs.
+_FORWARD_16BIT = (
+    (64, 128, 64, 4, 3),
+    (128, 128, 64, 8, 3),
+    (256, 128, 32, 8, 2),
+)
+# float32 tiles take twice the shared memory and registers (IEEE dots run on FMA units, not tensor cores)
+_FORWARD_FP32 = (
+    (64, 64, 32, 8, 2),
+    (128, 64, 32, 8, 2),
+    (256, 32, 32, 8, 2),
+)
+# Under the Triton interpreter (CPU tensors) small tiles make tests cover several blocks and stay fast.
+_FORWARD_INTERPRETER = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
+
+
+def forward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device) -> dict:
+    """Launch settings of the forward kernel: ``{"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}``.
+
+    head_dim: D (1..256); dtype: q's dtype; pattern: the normalised attention pattern; device: q's device.
+    """
+    if torch.device(device).type != "cuda":
+        return dict(_FORWARD_INTERPRETER)
+    table = _FORWARD_FP32 if dtype == torch.float32 else _FORWARD_16BIT
+    block_m, block_n, num_warps, num_stages = next(row[1:] for row in table if head_dim <= row[0])
+    if pattern.nq <= 64:
+        block_m = min(block_m, 64)  # short queries (decode, chunked prefill): don't compute dead rows
+    if 0 <= pattern.left and 0 <= pattern.right and pattern.left + pattern.right + 1 <= 64:
+        block_n = min(block_n, 32)  # narrow windows: smaller KV blocks waste fewer masked keys
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        num_stages = min(num_stages, 2)  # pre-Hopper parts have less shared memory per SM
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages}

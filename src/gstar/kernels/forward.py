@@ -1,0 +1,220 @@
+"""The Triton forward kernel: one program per (Q tile, query head, batch), online softmax over KV blocks.
+
+Each program loads its ``(BLOCK_M, D)`` Q tile once and walks the KV blocks that
+:func:`gstar.pattern.kv_block_table` lists for it, in four ranges: sink-token blocks, the leading boundary
+of the window band, the fully visible interior, and the trailing boundary. Only boundary blocks evaluate
+the visibility rule; the interior runs without any mask arithmetic. The softmax runs in base 2 with
+``scale * log2(e)`` folded into one multiply; a learned sink starts each row's running max (and its running
+sum at 1), so it costs nothing inside the loop.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import pattern as _pat
+from ..pattern import Pattern, kv_block_table
+from . import outputs
+from .configs import forward_config
+
+LOG2E = math.log2(math.e)
+_LOG2E = tl.constexpr(LOG2E)
+_LN2 = tl.constexpr(math.log(2.0))
+# column positions of the KV block table, as compile-time constants for the kernel
+_KV_SINK_END, _KV_BAND_START = tl.constexpr(_pat.KV_SINK_END), tl.constexpr(_pat.KV_BAND_START)
+_KV_FULL_START, _KV_FULL_END = tl.constexpr(_pat.KV_FULL_START), tl.constexpr(_pat.KV_FULL_END)
+_KV_BAND_END, _KV_COLUMNS = tl.constexpr(_pat.KV_BAND_END), tl.constexpr(5)
+
+
+@triton.jit
+def _attend_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_n, d_ok, lo_key, hi_key,
+                   block_lo, block_hi, qk_scale, Nk, sink_tokens,
+                   BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
+                   MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold KV blocks ``[block_lo, block_hi)`` into the running ``(acc, m_i, l_i)`` of one Q tile.
+
+    acc: (BLOCK_M, D_PAD) float32 unnormalised output; m_i, l_i: (BLOCK_M,) float32 running max (base 2,
+    scaled) and running sum; q: (BLOCK_M, D_PAD); k_ptrs: (D_PAD, BLOCK_N) and v_ptrs: (BLOCK_N, D_PAD)
+    pointing at keys 0..BLOCK_N-1 of this kv head; offs_n: (BLOCK_N,); d_ok: (D_PAD,) real head-dim lanes;
+    lo_key, hi_key: (BLOCK_M,) each row's window bounds ``p(i) - left`` and ``p(i) + right``.
+    ``MASKED`` blocks evaluate the rule of ``gstar.pattern`` and guard keys past ``Nk``; the others are
+    whole blocks visible to every stored row, so they skip both.
+    """
+    for block in range(block_lo, block_hi):
+        start_n = block * BLOCK_N
+        k_block = k_ptrs + start_n.to(tl.int64) * stride_kn
+        if MASKED:
+            cols = start_n + offs_n  # (BLOCK_N,)
+            k = tl.load(k_block, mask=d_ok[:, None] & (cols[None, :] < Nk), other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_block)
+        else:
+            k = tl.load(k_block, mask=d_ok[:, None], other=0.0)
+        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), base-2 logits
+        if MASKED:
+            visible = cols[None, :] < Nk
+            if HAS_RIGHT:
+                visible = visible & (cols[None, :] <= hi_key[:, None])
+            if HAS_LEFT:
+                inside = cols[None, :] >= lo_key[:, None]
+                if HAS_SINK_TOKENS:
+                    inside = inside | (cols[None, :] < sink_tokens)
+                visible = visible & inside
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # (BLOCK_M,)
+        if MASKED:
+            # a row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
+            # m_i itself stays -inf: a finite stand-in could sit far above later scores and flush them to 0
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            shift = m_new  # a whole visible block gives every row a finite max
+        alpha = tl.math.exp2(m_i - shift)  # (BLOCK_M,)
+        p = tl.math.exp2(s - shift[:, None])  # (BLOCK_M, BLOCK_N)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_block = v_ptrs + start_n.to(tl.int64) * stride_vn
+        if MASKED:
+            v = tl.load(v_block, mask=(cols[:, None] < Nk) & d_ok[None, :], other=0.0)
+        elif EVEN_D:
+            v = tl.load(v_block)
+        else:
+            v = tl.load(v_block, mask=d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+# sequence lengths and window bounds change from call to call: specialising on them (== 1, % 16) would
+# recompile the kernel for new lengths and buys nothing, since they only enter masks and loop bounds
+@triton.jit(do_not_specialize=["Nq", "Nk", "offset", "left", "right", "sink_tokens"])
+def _forward_kernel(
+        Q, K, V, Sinks, Out, Lse, Table,
+        stride_qb, stride_qh, stride_qm,
+        stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn,
+        stride_ob, stride_oh, stride_om,
+        Hq, group, Nq, Nk, offset, left, right, sink_tokens, qk_scale,
+        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, EVEN_D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
+        HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr):
+    """Grid ``(cdiv(Nq, BLOCK_M), Hq, B)``.
+
+    Q, Out: (B, Hq, Nq, HEAD_DIM); K, V: (B, Hkv, Nk, HEAD_DIM), Hkv = Hq // group; all with unit last
+    stride. Sinks: (Hq,) float32 (read only if HAS_SINKS); Lse: (B, Hq, Nq) float32 contiguous;
+    Table: (cdiv(Nq, BLOCK_M), 5) int32 from ``kv_block_table``. qk_scale = scale * log2(e).
+    EVEN_D: HEAD_DIM == D_PAD, so that whole blocks load without any mask.
+    """
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)  # 64-bit from here on: one head's offset may pass 2^31
+    h_kv = (h // group).to(tl.int64)
+    row_start = tile * BLOCK_M
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    rows = row_start + offs_m  # (BLOCK_M,)
+    row_ok = rows < Nq
+    d_ok = offs_d < HEAD_DIM  # (D_PAD,) all true unless D was padded to a power of two
+
+    q_tile = Q + b * stride_qb + h.to(tl.int64) * stride_qh + row_start.to(tl.int64) * stride_qm
+    q = tl.load(q_tile + offs_m[:, None] * stride_qm + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, D_PAD)
+    k_ptrs = K + b * stride_kb + h_kv * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None]  # K^T
+    v_ptrs = V + b * stride_vb + h_kv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+    lo_key = rows + offset - left   # (BLOCK_M,) window bounds of each row, used by masked blocks only
+    hi_key = rows + offset + right
+
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    if HAS_SINKS:
+        # exp2(m) * l = exp(sink): the sink is already in the sum, with no value to carry
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sinks + h) * _LOG2E
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    ranges = Table + tile * _KV_COLUMNS
+    sink_end = tl.load(ranges + _KV_SINK_END)
+    band_start = tl.load(ranges + _KV_BAND_START)
+    full_start = tl.load(ranges + _KV_FULL_START)
+    full_end = tl.load(ranges + _KV_FULL_END)
+    band_end = tl.load(ranges + _KV_BAND_END)
+
+    if HAS_SINK_TOKENS:
+        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_n, d_ok,
+                                       lo_key, hi_key, 0, sink_end, qk_scale, Nk, sink_tokens, BLOCK_N,
+                                       EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True, PRECISION)
+    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_n, d_ok,
+                                   lo_key, hi_key, band_start, full_start, qk_scale, Nk, sink_tokens, BLOCK_N,
+                                   EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True, PRECISION)
+    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_n, d_ok,
+                                   lo_key, hi_key, full_start, full_end, qk_scale, Nk, sink_tokens, BLOCK_N,
+                                   EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, False, PRECISION)
+    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_n, d_ok,
+                                   lo_key, hi_key, full_end, band_end, qk_scale, Nk, sink_tokens, BLOCK_N,
+                                   EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True, PRECISION)
+
+    # rows that saw no key (and no sink) have l = 0 and acc = 0: divide by 1 to store exact zeros
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * _LN2)  # natural log
+
+    o_tile = Out + b * stride_ob + h.to(tl.int64) * stride_oh + row_start.to(tl.int64) * stride_om
+    tl.store(o_tile + offs_m[:, None] * stride_om + offs_d[None, :], out.to(Out.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
+    lse_row = Lse + (b * Hq + h) * Nq  # Lse is contiguous (B, Hq, Nq)
+    tl.store(lse_row + rows, lse, mask=row_ok)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """IEEE float32 dots unless the user allowed TF32 (DESIGN.md section 1); 16-bit inputs ignore it."""
+    if dtype != torch.float32:
+        return "tf32"
+    matmul = torch.backends.cuda.matmul
+    # PyTorch >= 2.9 has a newer switch; reading the legacy one after the new one was set raises
+    precision = getattr(matmul, "fp32_precision", "none")
+    allowed = matmul.allow_tf32 if precision == "none" else precision == "tf32"
+    return "tf32" if allowed else "ieee"
+
+
+def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: dict | None = None):
+    """Attention forward on validated inputs; returns ``(out, lse)``.
+
+    q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D); float16/bfloat16/float32, any strides with unit last stride
+    (never copied). sinks: None or (Hq,) float32, unscaled. pattern: normalised :class:`Pattern`.
+    ``config`` (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides :func:`forward_config`, for tests.
+
+    out: (B, Hq, Nq, D) in q's dtype and memory layout, zero rows where no key is visible.
+    lse: (B, Hq, Nq) float32 natural-log logsumexp with the sink term; ``-inf`` (or ``sinks[h]``) for
+    rows that see no key.
+    """
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    cfg = config or forward_config(D, q.dtype, pattern, q.device)
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    out = outputs.empty_like(q)                                                     # (B, Hq, Nq, D)
+    lse = outputs.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)         # (B, Hq, Nq)
+    table = kv_block_table(pattern, block_m, block_n, q.device)                    # (n_tiles, 5)
+    d_pad = max(16, triton.next_power_of_2(D))  # tl.dot and tl.arange want powers of two, at least 16
+    grid = (triton.cdiv(Nq, block_m), Hq, B)
+    _forward_kernel[grid](
+        q, k, v, sinks, out, lse, table,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        Hq, Hq // Hkv, Nq, Nk, pattern.offset, pattern.left, pattern.right, pattern.sink_tokens,
+        scale * LOG2E,
+        HEAD_DIM=D, D_PAD=d_pad, EVEN_D=d_pad == D, BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_LEFT=pattern.left >= 0, HAS_RIGHT=pattern.right >= 0, HAS_SINK_TOKENS=pattern.sink_tokens > 0,
+        HAS_SINKS=sinks is not None, PRECISION=_dot_precision(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out, lse

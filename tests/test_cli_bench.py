@@ -1,0 +1,223 @@
+"""``gstar bench``: argument parsing, the FLOP count, the oracle, wrong peers, and the files it writes."""
+
+import csv
+import itertools
+import json
+
+import pytest
+import torch
+
+from gstar import naive_attention
+from gstar.bench import measure
+from gstar.bench.cases import Case, for_cpu, suite
+from gstar.bench.peers import PEER_NAMES, Eager, Gstar, Peer
+from gstar.bench.runner import add_ratios, run_row
+from gstar.cli.bench import cases_from_args
+from gstar.cli.main import build_parser, main
+
+
+def parse(*argv):
+    return build_parser().parse_args(["bench", *argv])
+
+
+def test_defaults():
+    args = parse()
+    assert args.suite == "gpt-oss" and args.mode == "fwd" and args.impls == list(PEER_NAMES)
+    assert PEER_NAMES[0] == "gstar"
+    assert cases_from_args(args, "cuda") == suite("gpt-oss")
+
+
+@pytest.mark.parametrize("name", ["stages", "gpt-oss", "long", "fa", "all"])
+@pytest.mark.parametrize("mode", ["fwd", "bwd", "fwd+bwd"])
+def test_suites_and_modes(name, mode):
+    args = parse("--suite", name, "--mode", mode)
+    assert args.suite == name and args.mode == mode
+    assert cases_from_args(args, "cuda") == suite(name)
+
+
+def test_bad_suite_mode_or_impl_is_a_usage_error():
+    for argv in (["--suite", "huge"], ["--mode", "bwd-only"], ["--impls", "gstar,nope"], ["--window", "3"]):
+        with pytest.raises(SystemExit):
+            parse(*argv)
+
+
+def test_impl_subset():
+    assert parse("--impls", "gstar,flex").impls == ["gstar", "flex"]
+    assert parse("--impls", "eager").impls == ["eager"]
+
+
+def test_reference_suites_follow_the_design():
+    gpt = suite("gpt-oss")
+    assert {(c.batch, c.seqlen, c.heads, c.kv_heads, c.head_dim, c.dtype, c.sinks) for c in gpt} == \
+        {(2, 4096, 64, 8, 64, "bfloat16", True)}
+    assert {c.window for c in gpt} == {(-1, -1), (127, 0)} and all(c.causal for c in gpt)
+    assert {c.seqlen for c in suite("long")} == {8192, 32768} and {c.batch for c in suite("long")} == {1}
+    fa = suite("fa")
+    assert {(c.batch, c.seqlen, c.heads, c.head_dim) for c in fa} == {(4, 8192, 16, 128)}
+    assert {c.causal for c in fa} == {False, True}
+    s7 = suite("stages")[-1]
+    assert (s7.batch, s7.heads, s7.kv_heads, s7.seqlen, s7.head_dim, s7.window, s7.sink_tokens) == \
+        (1, 16, 1, 4096, 16, (255, 0), 4)
+    assert len(suite("all")) == sum(len(suite(n)) for n in ("gpt-oss", "long", "fa", "stages"))
+
+
+def test_cpu_shrinks_suites_but_keeps_gqa():
+    for c in suite("all"):
+        small = for_cpu(c)
+        assert small.dtype == "float32" and small.batch == 1 and small.seqlen <= c.seqlen
+        assert small.heads % small.kv_heads == 0 and small.sinks == c.sinks and small.causal == c.causal
+    assert cases_from_args(parse("--suite", "fa"), "cpu") == [for_cpu(c) for c in suite("fa")]
+
+
+def test_custom_shape_flags():
+    args = parse("--batch", "2", "--heads", "8", "--kv-heads", "2", "--seqlen", "128", "--seqlen", "256", "512",
+                 "--head-dim", "32", "--window", "63", "0", "--sink-tokens", "4", "--sinks", "--causal",
+                 "--dtype", "fp16")
+    got = cases_from_args(args, "cpu")  # custom shapes are taken as given, even on CPU
+    assert [c.seqlen for c in got] == [128, 256, 512]
+    c = got[0]
+    assert (c.family, c.batch, c.heads, c.kv_heads, c.head_dim, c.window, c.sink_tokens, c.sinks, c.causal,
+            c.dtype) == ("custom", 2, 8, 2, 32, (63, 0), 4, True, True, "float16")
+    one = cases_from_args(parse("--seqlen", "100"), "cuda")
+    assert [(c.seqlen, c.heads, c.kv_heads, c.causal, c.window) for c in one] == [(100, 16, 16, False, (-1, -1))]
+
+
+def test_custom_shape_rejects_bad_gqa():
+    with pytest.raises(ValueError, match="multiple"):
+        cases_from_args(parse("--heads", "6", "--kv-heads", "4"), "cpu")
+
+
+PATTERNS = [dict(), dict(causal=True), dict(window=(5, 0)), dict(window=(3, 2)), dict(window=(-1, 4)),
+            dict(window=(7, -1)), dict(causal=True, window=(16, 0), sink_tokens=4),
+            dict(window=(0, 0), sink_tokens=40), dict(causal=True, window=(200, 0))]
+
+
+@pytest.mark.parametrize("n", [1, 17, 64, 113])
+@pytest.mark.parametrize("pattern", PATTERNS, ids=str)
+def test_flops_count_the_visible_pairs(n, pattern):
+    case = Case("t", batch=3, heads=4, kv_heads=2, seqlen=n, head_dim=32, **pattern)
+    brute = sum(1 for i, j in itertools.product(range(n), range(n)) if bool(case.pattern.visible(i, j)))
+    assert brute == int(case.pattern.mask().sum())
+    assert case.visible_pairs() == 3 * 4 * brute
+    assert case.flops("fwd") == 4 * 3 * 4 * 32 * brute
+    assert case.flops("bwd") == 2.5 * case.flops("fwd") and case.flops("fwd+bwd") == 3.5 * case.flops("fwd")
+
+
+def test_bytes_moved_reads_inputs_and_writes_outputs_once():
+    c = Case("t", 2, 8, 2, 100, 64, dtype="bfloat16")
+    q, kv, rows = 2 * 8 * 100 * 64, 2 * 2 * 100 * 64, 2 * 8 * 100
+    assert c.bytes_moved("fwd") == 2 * (2 * q + 2 * kv) + 4 * rows
+    assert c.bytes_moved("fwd+bwd") == c.bytes_moved("fwd") + c.bytes_moved("bwd")
+
+
+@pytest.mark.parametrize("pattern", [dict(causal=True, window=(9, 0), sink_tokens=3), dict(window=(6, 6)), dict()],
+                         ids=str)
+def test_oracle_in_pieces_equals_one_call(monkeypatch, pattern):
+    """The oracle splits batch, kv heads and (right bound 0) query rows; pieces must add up exactly."""
+    case = Case("t", 2, 4, 2, 37, 16, sinks=True, dtype="float32", **pattern)
+    inputs = measure.make_inputs(case, "cpu")
+    monkeypatch.setattr(measure, "_budget", lambda device: 2 * 37 * 4 * 8 * 5)  # 5 rows per piece
+    got = measure.naive_reference(case, inputs, torch.float64, grads=True)
+    leaves = [inputs[n].double().requires_grad_() for n in ("q", "k", "v", "sinks")]
+    out, _ = naive_attention(*leaves[:3], sinks=leaves[3], causal=case.causal, window=case.window,
+                             sink_tokens=case.sink_tokens)
+    grads = torch.autograd.grad(out, leaves, inputs["dout"].double())
+    for name, want in zip(("out", "dq", "dk", "dv", "dsinks"), (out,) + grads):
+        torch.testing.assert_close(got[name], want.detach(), rtol=1e-12, atol=1e-12)
+
+
+class _Wrong(Peer):
+    """A fast wrong peer: the mask shifted by one key (a wrong alignment convention)."""
+
+    name = "wrong"
+
+    def build(self, case, device):
+        shifted = case.pattern.mask(device).roll(1, dims=1)
+        scale = case.head_dim ** -0.5
+        return lambda q, k, v, sinks: torch.softmax(
+            (q @ k.transpose(-1, -2) * scale).masked_fill(~shifted, float("-inf")), -1) @ v
+
+
+@pytest.mark.parametrize("mode", ["fwd", "bwd", "fwd+bwd"])
+def test_rows_check_before_timing(mode):
+    case = Case("t", 1, 2, 2, 33, 16, causal=True, dtype="float32")
+    inputs = measure.make_inputs(case, "cpu")
+    ref, pt = measure.references(case, inputs, grads=mode != "fwd")
+    dev = torch.device("cpu")
+    rows = [run_row(p, case, mode, inputs, ref, pt, dev) for p in (Gstar(), Eager(), _Wrong())]
+    add_ratios(rows)
+    good, eager, wrong = rows
+    assert good["status"] == "ok" and eager["status"] == "ok"
+    assert wrong["status"] == "WRONG" and "out" in wrong["reason"] and wrong["time_ms"] > 0  # flagged, still timed
+    assert good["vs_gstar"] == 1.0 and eager["vs_gstar"] > 0
+    names = {c["name"].split()[0] for c in good["checks"]}
+    assert names == ({"out"} if mode == "fwd" else {"out", "dq", "dk", "dv"})
+
+
+def test_eager_is_skipped_when_it_would_not_fit():
+    huge = Case("t", 64, 64, 8, 1 << 20, 64, causal=True)
+    assert Eager().unsupported(huge, torch.device("cpu"), "fwd").startswith("OOM-risk")
+
+
+def test_json_csv_plot(tmp_path):
+    paths = {k: tmp_path / f"bench.{k}" for k in ("json", "csv", "png")}
+    argv = ["bench", "--batch", "1", "--heads", "2", "--kv-heads", "1", "--seqlen", "40", "48", "--head-dim", "16",
+            "--causal", "--window", "7", "0", "--sink-tokens", "2", "--sinks", "--dtype", "float32",
+            "--mode", "fwd+bwd", "--impls", "gstar,eager,flex,sdpa-flash",
+            "--json", str(paths["json"]), "--csv", str(paths["csv"]), "--plot", str(paths["png"])]
+    assert main(argv) == 0
+    data = json.loads(paths["json"].read_text())
+    assert data["tool"] == "gstar bench" and data["mode"] == "fwd+bwd" and data["suite"] is None
+    env = data["environment"]
+    for key in ("device", "card", "driver", "cuda", "torch", "triton", "python", "gstar", "peers", "date", "command"):
+        assert key in env
+    assert isinstance(env["torch"], str) and isinstance(env["peers"], dict)
+    assert len(data["rows"]) == 2 * 4
+    for r in data["rows"]:
+        assert {"case", "series", "impl", "status", "reason", "time_ms", "tflops", "peak_mib", "vs_gstar",
+                "checks"} <= set(r)
+        assert r["case"]["seqlen"] in (40, 48) and r["case"]["window"] == [7, 0]
+        if r["impl"] in ("gstar", "eager"):
+            assert r["status"] == "ok" and r["time_ms"] > 0 and r["tflops"] > 0 and r["peak_mib"] > 0
+            assert {c["name"].split()[0] for c in r["checks"]} == {"out", "dq", "dk", "dv", "dsinks"}
+        elif not torch.cuda.is_available():
+            assert r["status"] == "n/a" and r["reason"] == "needs CUDA" and r["time_ms"] is None
+    if torch.cuda.is_available():
+        sdpa = [r for r in data["rows"] if r["impl"] == "sdpa-flash"]
+        assert all(r["status"] == "n/a" and r["reason"] == "no learned sinks" for r in sdpa)
+    with open(paths["csv"]) as f:
+        lines = list(csv.DictReader(f))
+    assert len(lines) == len(data["rows"]) and {"impl", "time_ms", "card", "torch", "triton"} <= set(lines[0])
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_roofline_floors(tmp_path):
+    card = tmp_path / "roofline.json"
+    card.write_text(json.dumps({"schema": 1, "card": "test card", "matmul_tflops": 100.0, "memory_gbps": 1000.0}))
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--seqlen", "32", "--heads", "2", "--head-dim", "16", "--causal", "--dtype", "float32",
+                 "--impls", "gstar", "--roofline", str(card), "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    c = Case("t", 1, 2, 2, 32, 16, causal=True, dtype="float32")
+    assert row["compute_floor_ms"] == pytest.approx(c.flops("fwd") / 100e9)
+    assert row["memory_floor_ms"] == pytest.approx(c.bytes_moved("fwd") / 1000e6)
+    assert row["bound"] == "memory"
+    assert row["floor_pct"] == pytest.approx(100 * row["memory_floor_ms"] / row["time_ms"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("shape", [["--causal", "--window", "63", "0", "--sinks"], ["--causal"], []], ids=str)
+def test_gpu_peers_agree_with_the_oracle(tmp_path, mode, shape):
+    """Every adapter's mask, GQA and sink conventions against the oracle: none may be WRONG."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--seqlen", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "64", *shape,
+                 "--mode", mode, "--json", str(out)]) == 0
+    rows = {r["impl"]: r for r in json.loads(out.read_text())["rows"]}
+    assert not [r for r in rows.values() if r["status"] == "WRONG"], rows
+    for impl in ("gstar", "eager", "flex"):
+        assert rows[impl]["status"] == "ok", rows[impl]
+    if "--sinks" in shape:
+        assert rows["sdpa-flash"]["status"] == "n/a" and rows["sdpa-cudnn"]["status"] == "n/a"
+    else:
+        assert rows["sdpa-flash"]["status"] == "ok", rows["sdpa-flash"]
