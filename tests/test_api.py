@@ -53,13 +53,13 @@ def test_bad_input_raises_clear_error(name, change, exc, text):
     assert text in str(info.value), str(info.value)
 
 
-def test_head_dim_limit_for_triton():
-    q, k, v = qkv(d=264)
+def test_head_dim_limit_for_triton(device):
+    q, k, v = (t.to(device) for t in qkv(d=264))
     with pytest.raises(ValueError, match="head dim must be between 1 and 256"):
         gstar.flash_attention(q, k, v, backend="triton")
 
 
-def test_triton_on_cpu_needs_interpreter(monkeypatch):
+def test_triton_on_cpu_tensors_needs_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q, k, v = qkv()
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):

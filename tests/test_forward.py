@@ -16,7 +16,7 @@ from gstar.pattern import Pattern
 from gstar.reference import naive_attention
 
 
-def _make(B, Hq, Hkv, Nq, Nk, D, dtype, device="cpu", layout="bhnd", magnitude=1.0):
+def _make(B, Hq, Hkv, Nq, Nk, D, dtype, device, layout="bhnd", magnitude=1.0):
     """q: (B, Hq, Nq, D), k, v: (B, Hkv, Nk, D). ``layout="bnhd"`` gives transposed (B, N, H, D) storage;
     ``"packed"`` also slices k and v out of one (B, Nk, 2 * Hkv, D) buffer, as fused QKV projections do."""
     def rand(*shape):
@@ -81,7 +81,8 @@ def _check_bar(q, k, v, sinks=None, causal=False, window=(-1, -1), sink_tokens=0
 
 
 # ----------------------------------------------------------------------------------------------------
-# CPU tier: the Triton interpreter, default tiles 16 x 16 (so every shape spans several tiles).
+# First tier: the Triton interpreter on CPU-only machines (default tiles 16 x 16, so every shape spans several
+# tiles); on a GPU machine the same cases run on the GPU with its tiles.
 
 # (Nq, Nk, D, Hq, Hkv): unequal lengths both ways, non-power-of-two head dims, GQA 1 / 2 / 4 and MQA
 SHAPES = [
@@ -107,25 +108,25 @@ PATTERNS = [
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("causal,window,sink_tokens", PATTERNS)
-def test_fp32_matches_oracle(shape, causal, window, sink_tokens):
+def test_fp32_matches_oracle(shape, causal, window, sink_tokens, device):
     Nq, Nk, D, Hq, Hkv = shape
-    q, k, v = _make(1, Hq, Hkv, Nq, Nk, D, torch.float32)
+    q, k, v = _make(1, Hq, Hkv, Nq, Nk, D, torch.float32, device=device)
     _check_fp32(q, k, v, causal=causal, window=window, sink_tokens=sink_tokens)
 
 
 @pytest.mark.parametrize("D", [1, 3, 256])
-def test_fp32_head_dim_extremes(D):
+def test_fp32_head_dim_extremes(D, device):
     """D is padded to a power of two of at least 16 with masked lanes, up to the largest supported, 256."""
-    q, k, v = _make(1, 2, 1, 20, 37, D, torch.float32)
+    q, k, v = _make(1, 2, 1, 20, 37, D, torch.float32, device=device)
     _check_fp32(q, k, v, causal=True, scale=0.7)
 
 
 @pytest.mark.parametrize("sinks", [[0.3, -1.2, 2.0, 0.0], [20.0] * 4, [-20.0] * 4, [20.0, -20.0, 5.0, -5.0]],
                          ids=["mixed", "plus20", "minus20", "both"])
 @pytest.mark.parametrize("causal,window,sink_tokens", [(True, (-1, -1), 0), (False, (4, 2), 3)])
-def test_fp32_learned_sinks(sinks, causal, window, sink_tokens):
-    q, k, v = _make(2, 4, 2, 33, 47, 32, torch.float32)
-    _check_fp32(q, k, v, sinks=torch.tensor(sinks), causal=causal, window=window, sink_tokens=sink_tokens)
+def test_fp32_learned_sinks(sinks, causal, window, sink_tokens, device):
+    q, k, v = _make(2, 4, 2, 33, 47, 32, torch.float32, device=device)
+    _check_fp32(q, k, v, sinks=torch.tensor(sinks, device=device), causal=causal, window=window, sink_tokens=sink_tokens)
 
 
 @pytest.mark.parametrize("Nq,Nk,causal,window", [
@@ -134,16 +135,16 @@ def test_fp32_learned_sinks(sinks, causal, window, sink_tokens):
     (40, 40, False, (0, 0)),    # the diagonal alone
 ])
 @pytest.mark.parametrize("with_sinks", [False, True])
-def test_fp32_empty_rows(Nq, Nk, causal, window, with_sinks):
-    q, k, v = _make(1, 2, 1, Nq, Nk, 24, torch.float32)
-    sinks = torch.tensor([2.5, -3.0]) if with_sinks else None
+def test_fp32_empty_rows(Nq, Nk, causal, window, with_sinks, device):
+    q, k, v = _make(1, 2, 1, Nq, Nk, 24, torch.float32, device=device)
+    sinks = torch.tensor([2.5, -3.0], device=device) if with_sinks else None
     _check_fp32(q, k, v, sinks=sinks, causal=causal, window=window)
 
 
 @pytest.mark.parametrize("layout", ["bnhd", "packed"])
 @pytest.mark.parametrize("causal,window,sink_tokens", [(True, (-1, -1), 0), (False, (9, 0), 2)])
-def test_fp32_strided_inputs(layout, causal, window, sink_tokens):
-    q, k, v = _make(2, 4, 2, 37, 29, 48, torch.float32, layout=layout)
+def test_fp32_strided_inputs(layout, causal, window, sink_tokens, device):
+    q, k, v = _make(2, 4, 2, 37, 29, 48, torch.float32, layout=layout, device=device)
     assert not q.is_contiguous() and not k.is_contiguous()
     out, _, _ = _run(q, k, v, None, causal, window, sink_tokens, 0.3)
     assert out.transpose(1, 2).is_contiguous()  # the output follows q's (B, N, H, D) storage
@@ -152,10 +153,10 @@ def test_fp32_strided_inputs(layout, causal, window, sink_tokens):
 
 @pytest.mark.parametrize("block_m,block_n", [(32, 16), (16, 32), (32, 32)])
 @pytest.mark.parametrize("causal,window,sink_tokens", [(True, (-1, -1), 0), (False, (20, 3), 5)])
-def test_fp32_tiles(block_m, block_n, causal, window, sink_tokens):
+def test_fp32_tiles(block_m, block_n, causal, window, sink_tokens, device):
     config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 1, "num_stages": 1}
-    q, k, v = _make(1, 2, 1, 75, 90, 32, torch.float32)
-    sinks = torch.tensor([0.7, -1.2])
+    q, k, v = _make(1, 2, 1, 75, 90, 32, torch.float32, device=device)
+    sinks = torch.tensor([0.7, -1.2], device=device)
     _check_fp32(q, k, v, sinks=sinks, causal=causal, window=window, sink_tokens=sink_tokens, config=config)
 
 
@@ -165,17 +166,17 @@ def test_fp32_tiles(block_m, block_n, causal, window, sink_tokens):
     ((113, 127, 64, 4, 2), True, (3, 0), 20, False),
     ((70, 70, 80, 2, 1), False, (15, 4), 1, True),
 ])
-def test_fp16_within_bar(shape, causal, window, sink_tokens, with_sinks):
+def test_fp16_within_bar(shape, causal, window, sink_tokens, with_sinks, device):
     Nq, Nk, D, Hq, Hkv = shape
-    q, k, v = _make(1, Hq, Hkv, Nq, Nk, D, torch.float16)
-    sinks = torch.randn(Hq) * 3 if with_sinks else None
+    q, k, v = _make(1, Hq, Hkv, Nq, Nk, D, torch.float16, device=device)
+    sinks = torch.randn(Hq, device=device) * 3 if with_sinks else None
     _check_bar(q, k, v, sinks=sinks, causal=causal, window=window, sink_tokens=sink_tokens)
 
 
-def test_public_entry_point():
+def test_public_entry_point(device):
     """gstar.flash_attention(backend="triton") reaches this kernel with normalised arguments."""
-    q, k, v = _make(2, 4, 2, 21, 30, 32, torch.float32, layout="bnhd")
-    sinks = torch.randn(4)
+    q, k, v = _make(2, 4, 2, 21, 30, 32, torch.float32, layout="bnhd", device=device)
+    sinks = torch.randn(4, device=device)
     out, lse = gstar.flash_attention(q, k, v, window=(6, 1), sink_tokens=2, sinks=sinks, backend="triton",
                                      return_lse=True)
     ref_out, ref_lse = _oracle(q, k, v, sinks, False, (6, 1), 2, 32 ** -0.5, torch.float64)
