@@ -12,12 +12,17 @@ import torch
 from ..pattern import Pattern
 
 # (largest head dim, BLOCK_M, BLOCK_N, num_warps, num_stages); the first row whose head dim fits wins.
-# Untuned starting points, checked by compiling for sm_90: no register spills for 16-bit inputs.
+# D <= 128 rows are the fastest of a 28-config sweep (scripts/tune-forward, H200, see benchmarks/NOTES.md);
+# the D = 256 row is checked by compiling for sm_90 only (no register spills).
 _FORWARD_16BIT = (
-    (64, 128, 64, 4, 3),
-    (128, 128, 64, 8, 3),
+    (64, 128, 64, 8, 3),
+    (128, 128, 128, 8, 3),
     (256, 128, 32, 8, 2),
 )
+# A narrow window (GPT-OSS's 128-key layers) visits few KV blocks per Q tile: short Q tiles waste fewer
+# masked keys at the band's edges and give the SMs more programs (gpt-oss window: 0.126 ms vs 0.177 ms).
+_NARROW_WINDOW = 256
+_FORWARD_NARROW_16BIT = (64, 64, 4, 2)  # BLOCK_M, BLOCK_N, num_warps, num_stages
 # float32 tiles take twice the shared memory and registers (IEEE dots run on FMA units, not tensor cores)
 _FORWARD_FP32 = (
     (64, 64, 32, 8, 2),
@@ -37,6 +42,9 @@ def forward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device) 
         return dict(_FORWARD_INTERPRETER)
     table = _FORWARD_FP32 if dtype == torch.float32 else _FORWARD_16BIT
     block_m, block_n, num_warps, num_stages = next(row[1:] for row in table if head_dim <= row[0])
+    narrow = 0 <= pattern.left and 0 <= pattern.right and pattern.left + pattern.right + 1 <= _NARROW_WINDOW
+    if narrow and dtype != torch.float32 and head_dim <= 128:
+        block_m, block_n, num_warps, num_stages = _FORWARD_NARROW_16BIT
     if pattern.nq <= 64:
         block_m = min(block_m, 64)  # short queries (decode, chunked prefill): don't compute dead rows
     if 0 <= pattern.left and 0 <= pattern.right and pattern.left + pattern.right + 1 <= 64:

@@ -102,15 +102,17 @@ def _forward_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
         HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr):
-    """Grid ``(cdiv(Nq, BLOCK_M), Hq, B)``.
+    """Grid ``(Hq, cdiv(Nq, BLOCK_M), B)``.
 
     Q, Out: (B, Hq, Nq, HEAD_DIM); K, V: (B, Hkv, Nk, HEAD_DIM), Hkv = Hq // group; all with unit last
     stride. Sinks: (Hq,) float32 (read only if HAS_SINKS); Lse: (B, Hq, Nq) float32 contiguous;
     Table: (cdiv(Nq, BLOCK_M), 5) int32 from ``kv_block_table``. qk_scale = scale * log2(e).
     EVEN_D: HEAD_DIM == D_PAD, so that whole blocks load without any mask.
     """
-    tile = tl.program_id(0)
-    h = tl.program_id(1)
+    # Heads vary fastest, so the query heads of a GQA group run side by side and share K/V through L2;
+    # tiles run last to first, so under a causal mask the longest rows start first and short ones fill in.
+    h = tl.program_id(0)
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)  # 64-bit from here on: one head's offset may pass 2^31
     h_kv = (h // group).to(tl.int64)
     row_start = tile * BLOCK_M
@@ -203,7 +205,7 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
     lse = outputs.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)         # (B, Hq, Nq)
     table = kv_block_table(pattern, block_m, block_n, q.device)                    # (n_tiles, 5)
     d_pad = max(16, triton.next_power_of_2(D))  # tl.dot and tl.arange want powers of two, at least 16
-    grid = (triton.cdiv(Nq, block_m), Hq, B)
+    grid = (Hq, triton.cdiv(Nq, block_m), B)
     _forward_kernel[grid](
         q, k, v, sinks, out, lse, table,
         q.stride(0), q.stride(1), q.stride(2),
