@@ -19,7 +19,7 @@ import triton.language as tl
 from .. import pattern as _pat
 from ..pattern import Pattern, kv_block_table
 from . import outputs
-from .configs import forward_config
+from .configs import dot_precision, forward_config, pad_head_dim
 
 LOG2E = math.log2(math.e)
 _LOG2E = tl.constexpr(LOG2E)
@@ -175,17 +175,6 @@ def _forward_kernel(
     tl.store(lse_row + rows, lse, mask=row_ok)
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    """IEEE float32 dots unless the user allowed TF32 (DESIGN.md section 1); 16-bit inputs ignore it."""
-    if dtype != torch.float32:
-        return "tf32"
-    matmul = torch.backends.cuda.matmul
-    # PyTorch >= 2.9 has a newer switch; reading the legacy one after the new one was set raises
-    precision = getattr(matmul, "fp32_precision", "none")
-    allowed = matmul.allow_tf32 if precision == "none" else precision == "tf32"
-    return "tf32" if allowed else "ieee"
-
-
 def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: dict | None = None):
     """Attention forward on validated inputs; returns ``(out, lse)``.
 
@@ -204,7 +193,7 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
     out = outputs.empty_like(q)                                                     # (B, Hq, Nq, D)
     lse = outputs.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)         # (B, Hq, Nq)
     table = kv_block_table(pattern, block_m, block_n, q.device)                    # (n_tiles, 5)
-    d_pad = max(16, triton.next_power_of_2(D))  # tl.dot and tl.arange want powers of two, at least 16
+    d_pad = pad_head_dim(D)
     grid = (Hq, triton.cdiv(Nq, block_m), B)
     _forward_kernel[grid](
         q, k, v, sinks, out, lse, table,
@@ -216,7 +205,7 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
         scale * LOG2E,
         HEAD_DIM=D, D_PAD=d_pad, EVEN_D=d_pad == D, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_LEFT=pattern.left >= 0, HAS_RIGHT=pattern.right >= 0, HAS_SINK_TOKENS=pattern.sink_tokens > 0,
-        HAS_SINKS=sinks is not None, PRECISION=_dot_precision(q.dtype),
+        HAS_SINKS=sinks is not None, PRECISION=dot_precision(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out, lse

@@ -1,0 +1,342 @@
+"""The Triton backward: dQ, dK, dV and dsinks, recomputing probabilities from the forward's LSE.
+
+Three kernels, each one family specialised by ``tl.constexpr`` flags:
+
+* ``_preprocess``: ``delta_i = rowsum(dO_i * O_i) - dLSE_i`` and the LSE in base 2, so that the main
+  kernels compute ``P = exp2(s * scale * log2(e) - lse2)`` with one multiply folded into the scores.
+* ``_dkdv``: one program per (KV tile, kv head); it loops over the query heads of its GQA group and the
+  Q tiles that see its keys (:func:`gstar.pattern.q_block_table`), accumulating dK, dV in registers. K/V
+  are never expanded and no two programs write the same element, so there are no atomics.
+* ``_dq``: one program per (Q tile, query head), visiting the KV blocks of
+  :func:`gstar.pattern.kv_block_table`.
+
+Each tile step is one ``@triton.jit`` helper with a ``MASKED`` flag: the boundary tiles evaluate the
+visibility rule of :mod:`gstar.pattern` in-kernel, interior tiles skip it. Loop order is fixed, so the
+gradients are bitwise reproducible. Memory is linear in N: besides the gradients, only ``delta`` and the
+base-2 LSE, both ``(B, Hq, Nq)`` float32.
+"""
+
+from __future__ import annotations
+
+import math
+import torch
+import triton
+import triton.language as tl
+
+from ..pattern import (KV_BAND_END, KV_BAND_START, KV_FULL_END, KV_FULL_START, KV_SINK_END, Q_END, Q_FULL_END,
+                       Q_FULL_START, Q_START, Pattern, kv_block_table, q_block_table)
+from . import outputs
+from .configs import BackwardConfig, backward_config, dot_precision, pad_head_dim
+
+LOG2E = math.log2(math.e)
+_LOG2E = tl.constexpr(LOG2E)
+# column positions of the block tables, as compile-time constants for the kernels
+_Q_START, _Q_FULL_START, _Q_FULL_END, _Q_END = (tl.constexpr(c) for c in (Q_START, Q_FULL_START, Q_FULL_END,
+                                                                           Q_END))
+_KV_SINK_END, _KV_BAND_START, _KV_FULL_START, _KV_FULL_END, _KV_BAND_END = (
+    tl.constexpr(c) for c in (KV_SINK_END, KV_BAND_START, KV_FULL_START, KV_FULL_END, KV_BAND_END))
+
+
+@triton.jit
+def _load_rows(ptr, idx, n, stride, offs_d, CHECK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+               D_PAD: tl.constexpr):
+    """Rows ``idx`` (R,) of an (n, HEAD_DIM) matrix with row stride ``stride`` as an (R, D_PAD) tile, zeros
+    outside. Unchecked rows and an unpadded head dim load without a mask."""
+    ptrs = ptr + idx.to(tl.int64)[:, None] * stride + offs_d[None, :]
+    if CHECK_ROWS:
+        x = tl.load(ptrs, mask=(idx[:, None] < n) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    elif HEAD_DIM != D_PAD:
+        x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _store_rows(ptr, idx, n, stride, offs_d, x, HEAD_DIM: tl.constexpr):
+    """Stores the (R, D_PAD) tile ``x`` into rows ``idx`` (R,) of an (n, HEAD_DIM) matrix, cast to its dtype."""
+    ptrs = ptr + idx.to(tl.int64)[:, None] * stride + offs_d[None, :]
+    tl.store(ptrs, x.to(ptr.dtype.element_ty), mask=(idx[:, None] < n) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _visible(rows, cols, nq, nk, left, right, sink_tokens,
+             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr):
+    """gstar.pattern's rule on broadcastable index blocks ``rows`` (queries) and ``cols`` (keys)."""
+    ok = (rows < nq) & (cols < nk)
+    pos = rows + (nk - nq)
+    if HAS_RIGHT:
+        ok = ok & (cols <= pos + right)
+    if HAS_LEFT:
+        inside = cols >= pos - left
+        if HAS_SINK_TOKENS:
+            inside = inside | (cols < sink_tokens)
+        ok = ok & inside
+    return ok
+
+
+@triton.jit
+def _preprocess(
+    O, DO, DLSE, LSE, DELTA, LSE2,
+    stride_ob, stride_oh, stride_on,        # O: (B, Hq, Nq, D)
+    stride_dob, stride_doh, stride_don,     # DO: (B, Hq, Nq, D)
+    stride_lb, stride_lh, stride_ln,        # DLSE: (B, Hq, Nq), any float dtype (read if HAS_DLSE)
+    Hq, nq,                                 # LSE, DELTA, LSE2: (B, Hq, Nq) float32 contiguous
+    HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+):
+    """Grid ``(cdiv(Nq, BLOCK_M), Hq, B)``: delta = rowsum(dO * O) - dLSE and lse2 = lse * log2(e)."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)  # 64-bit from here on: one head's offset may pass 2^31
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                                    # (BLOCK_M,)
+    offs_d = tl.arange(0, D_PAD)                                                        # (D_PAD,)
+    o = _load_rows(O + b * stride_ob + h * stride_oh, offs_m, nq, stride_on, offs_d, True, HEAD_DIM, D_PAD)
+    do = _load_rows(DO + b * stride_dob + h * stride_doh, offs_m, nq, stride_don, offs_d, True, HEAD_DIM, D_PAD)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)                        # (BLOCK_M,)
+    rows = offs_m < nq
+    if HAS_DLSE:
+        dlse = tl.load(DLSE + b * stride_lb + h * stride_lh + offs_m.to(tl.int64) * stride_ln, mask=rows,
+                       other=0.0)
+        delta -= dlse.to(tl.float32)
+    row_ptr = (b * Hq + h) * nq + offs_m
+    lse = tl.load(LSE + row_ptr, mask=rows, other=0.0)
+    # an empty row (lse = -inf, no sinks) sees no key, so it only meets masked tiles: there exp2(s - lse2)
+    # is +inf (never NaN, s is finite) and the mask replaces it by 0
+    lse2 = lse * _LOG2E
+    tl.store(DELTA + row_ptr, delta, mask=rows)
+    tl.store(LSE2 + row_ptr, lse2, mask=rows)
+
+
+@triton.jit
+def _dkdv_step(
+    dk, dv, k, v, Q, DO, LSE2, DELTA, m_start, stride_qn, stride_don, offs_n, offs_d,
+    nq, nk, left, right, sink_tokens, qk_scale,
+    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Adds one Q tile's contribution to dk, dv (BLOCK_N, D_PAD) float32.
+
+    k, v: (BLOCK_N, D_PAD); Q, DO point at row 0 of one query head, LSE2, DELTA at its (Nq,) rows. Scores
+    are kept transposed, (BLOCK_N, BLOCK_M), so that both products land in the accumulators' layout.
+    """
+    offs_m = m_start + tl.arange(0, BLOCK_M)                                            # (BLOCK_M,)
+    q = _load_rows(Q, offs_m, nq, stride_qn, offs_d, MASKED, HEAD_DIM, D_PAD)           # (BLOCK_M, D_PAD)
+    do = _load_rows(DO, offs_m, nq, stride_don, offs_d, MASKED, HEAD_DIM, D_PAD)        # (BLOCK_M, D_PAD)
+    if MASKED:
+        lse2 = tl.load(LSE2 + offs_m, mask=offs_m < nq, other=float("inf"))             # (BLOCK_M,)
+        delta = tl.load(DELTA + offs_m, mask=offs_m < nq, other=0.0)                    # (BLOCK_M,)
+    else:
+        lse2 = tl.load(LSE2 + offs_m)
+        delta = tl.load(DELTA + offs_m)
+    s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)                              # (BLOCK_N, BLOCK_M)
+    p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
+    if MASKED:
+        ok = _visible(offs_m[None, :], offs_n[:, None], nq, nk, left, right, sink_tokens,
+                      HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)
+        p_t = tl.where(ok, p_t, 0.0)
+    dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)                            # (BLOCK_N, BLOCK_M)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv(
+    Q, K, V, DO, LSE2, DELTA, DK, DV, QTABLE,
+    stride_qb, stride_qh, stride_qn,        # Q: (B, Hq, Nq, D)
+    stride_kb, stride_kh, stride_kn,        # K: (B, Hkv, Nk, D)
+    stride_vb, stride_vh, stride_vn,        # V: (B, Hkv, Nk, D)
+    stride_dob, stride_doh, stride_don,     # DO: (B, Hq, Nq, D)
+    stride_dkb, stride_dkh, stride_dkn,     # DK: (B, Hkv, Nk, D)
+    stride_dvb, stride_dvh, stride_dvn,     # DV: (B, Hkv, Nk, D)
+    Hq, nq, nk,                             # LSE2, DELTA: (B, Hq, Nq) float32; QTABLE: (cdiv(Nk, BLOCK_N), 4) int32
+    left, right, sink_tokens, scale, qk_scale,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr, PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
+    """Grid ``(cdiv(Nk, BLOCK_N), Hkv, B)``: dK, dV of one KV tile of one kv head, summed over its group."""
+    pid_n = tl.program_id(0)
+    hkv = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                                    # (BLOCK_N,)
+    offs_d = tl.arange(0, D_PAD)                                                        # (D_PAD,)
+    k = _load_rows(K + b * stride_kb + hkv * stride_kh, offs_n, nk, stride_kn, offs_d, True, HEAD_DIM, D_PAD)
+    v = _load_rows(V + b * stride_vb + hkv * stride_vh, offs_n, nk, stride_vn, offs_d, True, HEAD_DIM, D_PAD)
+    dk = tl.zeros((BLOCK_N, D_PAD), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, D_PAD), dtype=tl.float32)
+    ranges = QTABLE + pid_n * 4
+    m_start = tl.load(ranges + _Q_START)
+    m_full_start = tl.load(ranges + _Q_FULL_START)
+    m_full_end = tl.load(ranges + _Q_FULL_END)
+    m_end = tl.load(ranges + _Q_END)
+    for g in range(GROUP):
+        h = hkv * GROUP + g
+        q_head = Q + b * stride_qb + h * stride_qh
+        do_head = DO + b * stride_dob + h * stride_doh
+        lse2_head = LSE2 + (b * Hq + h) * nq
+        delta_head = DELTA + (b * Hq + h) * nq
+        for m in range(m_start, m_full_start):
+            dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, m * BLOCK_M, stride_qn,
+                                stride_don, offs_n, offs_d, nq, nk, left, right, sink_tokens, qk_scale, True,
+                                HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, BLOCK_M, HEAD_DIM, D_PAD, PRECISION)
+        for m in range(m_full_start, m_full_end):
+            dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, m * BLOCK_M, stride_qn,
+                                stride_don, offs_n, offs_d, nq, nk, left, right, sink_tokens, qk_scale, False,
+                                HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, BLOCK_M, HEAD_DIM, D_PAD, PRECISION)
+        for m in range(m_full_end, m_end):
+            dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, m * BLOCK_M, stride_qn,
+                                stride_don, offs_n, offs_d, nq, nk, left, right, sink_tokens, qk_scale, True,
+                                HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, BLOCK_M, HEAD_DIM, D_PAD, PRECISION)
+    _store_rows(DK + b * stride_dkb + hkv * stride_dkh, offs_n, nk, stride_dkn, offs_d, dk * scale, HEAD_DIM)
+    _store_rows(DV + b * stride_dvb + hkv * stride_dvh, offs_n, nk, stride_dvn, offs_d, dv, HEAD_DIM)
+
+
+@triton.jit
+def _dq_step(
+    dq, q, do, lse2, delta, K, V, n_start, stride_kn, stride_vn, offs_m, offs_d,
+    nq, nk, left, right, sink_tokens, qk_scale,
+    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Adds one KV block's contribution to dq (BLOCK_M, D_PAD) float32.
+
+    q, do: (BLOCK_M, D_PAD); lse2, delta: (BLOCK_M,); K, V point at key 0 of the kv head.
+    """
+    offs_n = n_start + tl.arange(0, BLOCK_N)                                            # (BLOCK_N,)
+    k = _load_rows(K, offs_n, nk, stride_kn, offs_d, MASKED, HEAD_DIM, D_PAD)           # (BLOCK_N, D_PAD)
+    v = _load_rows(V, offs_n, nk, stride_vn, offs_d, MASKED, HEAD_DIM, D_PAD)           # (BLOCK_N, D_PAD)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)                                # (BLOCK_M, BLOCK_N)
+    p = tl.math.exp2(s * qk_scale - lse2[:, None])
+    if MASKED:
+        ok = _visible(offs_m[:, None], offs_n[None, :], nq, nk, left, right, sink_tokens,
+                      HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)
+        p = tl.where(ok, p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)                              # (BLOCK_M, BLOCK_N)
+    ds = p * (dp - delta[:, None])
+    dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    return dq
+
+
+@triton.jit
+def _dq(
+    Q, K, V, DO, LSE2, DELTA, DQ, KVTABLE,
+    stride_qb, stride_qh, stride_qn,        # Q: (B, Hq, Nq, D)
+    stride_kb, stride_kh, stride_kn,        # K: (B, Hkv, Nk, D)
+    stride_vb, stride_vh, stride_vn,        # V: (B, Hkv, Nk, D)
+    stride_dob, stride_doh, stride_don,     # DO: (B, Hq, Nq, D)
+    stride_dqb, stride_dqh, stride_dqn,     # DQ: (B, Hq, Nq, D)
+    Hq, nq, nk,                             # LSE2, DELTA: (B, Hq, Nq) float32; KVTABLE: (cdiv(Nq, BLOCK_M), 5) int32
+    left, right, sink_tokens, scale, qk_scale,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr, PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
+    """Grid ``(cdiv(Nq, BLOCK_M), Hq, B)``: dQ of one Q tile of one query head."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    hkv = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                                    # (BLOCK_M,)
+    offs_d = tl.arange(0, D_PAD)                                                        # (D_PAD,)
+    q = _load_rows(Q + b * stride_qb + h * stride_qh, offs_m, nq, stride_qn, offs_d, True, HEAD_DIM, D_PAD)
+    do = _load_rows(DO + b * stride_dob + h * stride_doh, offs_m, nq, stride_don, offs_d, True, HEAD_DIM, D_PAD)
+    rows = offs_m < nq
+    row_ptr = (b * Hq + h) * nq + offs_m
+    lse2 = tl.load(LSE2 + row_ptr, mask=rows, other=float("inf"))                       # (BLOCK_M,)
+    delta = tl.load(DELTA + row_ptr, mask=rows, other=0.0)                              # (BLOCK_M,)
+    k_head = K + b * stride_kb + hkv * stride_kh
+    v_head = V + b * stride_vb + hkv * stride_vh
+    ranges = KVTABLE + pid_m * 5
+    sink_end = tl.load(ranges + _KV_SINK_END)
+    band_start = tl.load(ranges + _KV_BAND_START)
+    full_start = tl.load(ranges + _KV_FULL_START)
+    full_end = tl.load(ranges + _KV_FULL_END)
+    band_end = tl.load(ranges + _KV_BAND_END)
+    dq = tl.zeros((BLOCK_M, D_PAD), dtype=tl.float32)
+    for n in range(0, sink_end):
+        dq = _dq_step(dq, q, do, lse2, delta, k_head, v_head, n * BLOCK_N, stride_kn, stride_vn, offs_m, offs_d,
+                      nq, nk, left, right, sink_tokens, qk_scale, True, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
+                      BLOCK_N, HEAD_DIM, D_PAD, PRECISION)
+    for n in range(band_start, full_start):
+        dq = _dq_step(dq, q, do, lse2, delta, k_head, v_head, n * BLOCK_N, stride_kn, stride_vn, offs_m, offs_d,
+                      nq, nk, left, right, sink_tokens, qk_scale, True, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
+                      BLOCK_N, HEAD_DIM, D_PAD, PRECISION)
+    for n in range(full_start, full_end):
+        dq = _dq_step(dq, q, do, lse2, delta, k_head, v_head, n * BLOCK_N, stride_kn, stride_vn, offs_m, offs_d,
+                      nq, nk, left, right, sink_tokens, qk_scale, False, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
+                      BLOCK_N, HEAD_DIM, D_PAD, PRECISION)
+    for n in range(full_end, band_end):
+        dq = _dq_step(dq, q, do, lse2, delta, k_head, v_head, n * BLOCK_N, stride_kn, stride_vn, offs_m, offs_d,
+                      nq, nk, left, right, sink_tokens, qk_scale, True, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
+                      BLOCK_N, HEAD_DIM, D_PAD, PRECISION)
+    _store_rows(DQ + b * stride_dqb + h * stride_dqh, offs_m, nq, stride_dqn, offs_d, dq * scale, HEAD_DIM)
+
+
+def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale: float, *,
+                       config: BackwardConfig | None = None):
+    """Gradients of attention (DESIGN.md section 1) from the forward's output and LSE.
+
+    Args:
+        dout, q, out: ``(B, Hq, Nq, D)``; k, v: ``(B, Hkv, Nk, D)``; any strides with unit last stride
+            (never copied).
+        lse: ``(B, Hq, Nq)`` float32 contiguous, natural log, sink term included (``-inf`` for empty rows).
+        dlse: ``None`` or ``(B, Hq, Nq)`` gradient of the returned LSE (any strides and float dtype).
+        sinks: ``None`` or ``(Hq,)`` float32 learned sink logits.
+        pattern: the normalised :class:`gstar.pattern.Pattern`; scale: multiplies ``q . k``.
+        config: a :class:`BackwardConfig` overriding :func:`backward_config` (tests use other tiles).
+
+    Returns ``(dq, dk, dv, dsinks)``: dq like q, dk like k, dv like v (dtype and memory layout), dsinks
+    ``(Hq,)`` float32 or ``None``. Bitwise deterministic: no atomics, fixed loop order.
+    """
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    if B * Hq * Nq == 0 or Nk == 0:
+        grads = [outputs.empty_like(t).zero_() for t in (q, k, v)]
+        dsinks = None if sinks is None else torch.zeros(Hq, dtype=torch.float32, device=q.device)
+        return (*grads, dsinks)
+    cfg = config or backward_config(D, q.dtype, pattern, q.device)
+    d_pad = pad_head_dim(D)
+
+    delta = outputs.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)        # (B, Hq, Nq)
+    lse2 = outputs.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)         # (B, Hq, Nq)
+    dl = delta if dlse is None else dlse  # any valid pointer when HAS_DLSE is off
+    rows = min(128, max(16, 4096 // d_pad))  # two (rows, D_PAD) tiles of a memory-bound pass: no spills
+    _preprocess[(triton.cdiv(Nq, rows), Hq, B)](
+        out, dout, dl, lse, delta, lse2,
+        out.stride(0), out.stride(1), out.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2),
+        dl.stride(0), dl.stride(1), dl.stride(2),
+        Hq, Nq,
+        HAS_DLSE=dlse is not None, BLOCK_M=rows, HEAD_DIM=D, D_PAD=d_pad, num_warps=4,
+    )
+
+    shared = dict(
+        HAS_LEFT=pattern.left >= 0, HAS_RIGHT=pattern.right >= 0, HAS_SINK_TOKENS=pattern.sink_tokens > 0,
+        PRECISION=dot_precision(q.dtype), GROUP=Hq // Hkv, HEAD_DIM=D, D_PAD=d_pad,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    runtime = (pattern.left, pattern.right, pattern.sink_tokens, scale, scale * LOG2E)
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
+
+    dk, dv = outputs.empty_like(k), outputs.empty_like(v)
+    q_table = q_block_table(pattern, cfg.dkdv_m, cfg.dkdv_n, q.device)             # (cdiv(Nk, n), 4)
+    _dkdv[(triton.cdiv(Nk, cfg.dkdv_n), Hkv, B)](
+        q, k, v, dout, lse2, delta, dk, dv, q_table, *strides, *dk.stride()[:3], *dv.stride()[:3],
+        Hq, Nq, Nk, *runtime, BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, **shared,
+    )
+
+    dq = outputs.empty_like(q)
+    kv_table = kv_block_table(pattern, cfg.dq_m, cfg.dq_n, q.device)               # (cdiv(Nq, m), 5)
+    _dq[(triton.cdiv(Nq, cfg.dq_m), Hq, B)](
+        q, k, v, dout, lse2, delta, dq, kv_table, *strides, *dq.stride()[:3],
+        Hq, Nq, Nk, *runtime, BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n, **shared,
+    )
+
+    dsinks = None
+    if sinks is not None:
+        # with sinks every lse is finite (>= sinks[h]); a plain float32 reduction, no atomics
+        p_sink = torch.exp(sinks.view(1, Hq, 1) - lse)                                  # (B, Hq, Nq)
+        dsinks = -(p_sink * delta).sum(dim=(0, 2))                                      # (Hq,)
+    return dq, dk, dv, dsinks
