@@ -20,7 +20,19 @@ from gstar.reference import naive_attention
 GRADS = ("dq", "dk", "dv", "dsinks")
 
 
-def _make(B, Hq, Hkv, Nq, Nk, D, dtype, device="cpu", layout="bhnd", magnitude=1.0):
+@pytest.fixture(autouse=True)
+def _first_tier_device(request, device):
+    """Unmarked tests make tensors on the default device: the GPU when there is one, else the CPU
+    (where the Triton interpreter runs them)."""
+    if "gpu" in request.keywords:
+        yield
+        return
+    torch.set_default_device(device)
+    yield
+    torch.set_default_device("cpu")
+
+
+def _make(B, Hq, Hkv, Nq, Nk, D, dtype, device=None, layout="bhnd", magnitude=1.0):
     """q: (B, Hq, Nq, D), k, v: (B, Hkv, Nk, D) in ``dtype``. ``"bnhd"`` stores them as transposed
     (B, N, H, D) tensors; ``"packed"`` also slices k and v out of one (B, Nk, 2 * Hkv, D) buffer."""
     def rand(*shape):
@@ -35,7 +47,7 @@ def _make(B, Hq, Hkv, Nq, Nk, D, dtype, device="cpu", layout="bhnd", magnitude=1
     return q, kv[:, :, :Hkv].transpose(1, 2), kv[:, :, Hkv:].transpose(1, 2)
 
 
-def _sinks(kind, Hq, device="cpu"):
+def _sinks(kind, Hq, device=None):
     """None, or (Hq,) float32 learned sink logits: "mixed" small values, "pm20" alternating +-20."""
     if kind is None:
         return None
