@@ -46,6 +46,11 @@ def naive_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
 
 
 TILE = 64  # rows and keys per tile of the PyTorch path; memory is O(TILE * N), never O(N^2)
+GPU_TILE = 256  # on a GPU each tile step is a few kernel launches: larger tiles mean fewer of them
+
+
+def _default_tile(t: torch.Tensor) -> int:
+    return GPU_TILE if t.is_cuda else TILE
 
 
 def _tiles(pattern: Pattern, tile: int):
@@ -71,7 +76,7 @@ def _scores(pattern, q_t, k, r0, b, masked, scale, tile):
     return s, keys
 
 
-def tiled_forward(q, k, v, sinks, pattern: Pattern, scale: float, tile: int = TILE):
+def tiled_forward(q, k, v, sinks, pattern: Pattern, scale: float, tile: int | None = None):
     """Online-softmax forward over tiles. Shapes as in ``gstar.kernels.forward.attention_forward``.
 
     q: (B, Hq, Nq, D), k, v: (B, Hkv, Nk, D), sinks: None or (Hq,). Returns out (q's dtype and layout) and
@@ -79,6 +84,7 @@ def tiled_forward(q, k, v, sinks, pattern: Pattern, scale: float, tile: int = TI
     """
     B, Hq, Nq, D = q.shape
     Hkv = k.shape[1]
+    tile = tile or _default_tile(q)
     stat = torch.promote_types(q.dtype, torch.float32)
     out = torch.empty_like(q)
     lse = torch.empty((B, Hq, Nq), dtype=stat, device=q.device)
@@ -107,13 +113,15 @@ def tiled_forward(q, k, v, sinks, pattern: Pattern, scale: float, tile: int = TI
     return out, lse
 
 
-def tiled_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale: float, tile: int = TILE):
+def tiled_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale: float,
+                   tile: int | None = None):
     """Backward that recomputes probabilities tile by tile from ``lse``. Returns (dq, dk, dv, dsinks).
 
     dK/dV are accumulated per kv head (summed over its query-head group) in one (B, Hkv, Nk, D) buffer.
     """
     B, Hq, Nq, D = q.shape
     Hkv = k.shape[1]
+    tile = tile or _default_tile(q)
     stat = torch.promote_types(q.dtype, torch.float32)
     delta = (dout.to(stat) * out.to(stat)).sum(dim=-1)                      # (B, Hq, Nq)
     if dlse is not None:
