@@ -18,7 +18,9 @@ base-2 LSE, both ``(B, Hq, Nq)`` float32.
 
 from __future__ import annotations
 
+import functools
 import math
+
 import torch
 import triton
 import triton.language as tl
@@ -30,11 +32,17 @@ from .configs import BackwardConfig, backward_config, dot_precision, pad_head_di
 
 LOG2E = math.log2(math.e)
 _LOG2E = tl.constexpr(LOG2E)
-# column positions of the block tables, as compile-time constants for the kernels
-_Q_START, _Q_FULL_START, _Q_FULL_END, _Q_END = (tl.constexpr(c) for c in (Q_START, Q_FULL_START, Q_FULL_END,
-                                                                           Q_END))
+# column positions of the KV block table, as compile-time constants for the kernels
 _KV_SINK_END, _KV_BAND_START, _KV_FULL_START, _KV_FULL_END, _KV_BAND_END = (
     tl.constexpr(c) for c in (KV_SINK_END, KV_BAND_START, KV_FULL_START, KV_FULL_END, KV_BAND_END))
+# columns of the dK/dV work table (split_plan): the KV tile, then its Q tile ranges like q_block_table's
+W_TILE, W_START, W_FULL_START, W_FULL_END, W_END = range(5)
+_W_TILE, _W_START, _W_FULL_START, _W_FULL_END, _W_END = (tl.constexpr(c) for c in range(5))
+# dK/dV splitting: programs aim at this many (Q tile, head) steps at least (a K/V load and a partial store
+# must pay off), at most this many items per KV tile, and partials at most this many times dK + dV's size
+_MIN_STEPS = 4
+_MAX_Q_SPLITS = 16
+_MAX_PARTIAL_RATIO = 8
 
 
 @triton.jit
@@ -143,35 +151,45 @@ def _dkdv_step(
 
 @triton.jit
 def _dkdv(
-    Q, K, V, DO, LSE2, DELTA, DK, DV, QTABLE,
+    Q, K, V, DO, LSE2, DELTA, DK, DV, WORK,
     stride_qb, stride_qh, stride_qn,        # Q: (B, Hq, Nq, D)
     stride_kb, stride_kh, stride_kn,        # K: (B, Hkv, Nk, D)
     stride_vb, stride_vh, stride_vn,        # V: (B, Hkv, Nk, D)
     stride_dob, stride_doh, stride_don,     # DO: (B, Hq, Nq, D)
-    stride_dkb, stride_dkh, stride_dkn,     # DK: (B, Hkv, Nk, D)
-    stride_dvb, stride_dvh, stride_dvn,     # DV: (B, Hkv, Nk, D)
-    Hq, nq, nk,                             # LSE2, DELTA: (B, Hq, Nq) float32; QTABLE: (cdiv(Nk, BLOCK_N), 4) int32
+    stride_dkb, stride_dkh, stride_dkn,     # DK: (B, Hkv, Nk, D) (unused if SPLIT)
+    stride_dvb, stride_dvh, stride_dvn,     # DV: (B, Hkv, Nk, D) (unused if SPLIT)
+    Hq, nq, nk, head_splits, n_items,       # LSE2, DELTA: (B, Hq, Nq) float32; WORK: (n_items, 5) int32
     left, right, sink_tokens, scale, qk_scale,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr, PRECISION: tl.constexpr,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
+    PRECISION: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
 ):
-    """Grid ``(cdiv(Nk, BLOCK_N), Hkv, B)``: dK, dV of one KV tile of one kv head, summed over its group."""
-    pid_n = tl.program_id(0)
-    hkv = tl.program_id(1).to(tl.int64)
+    """Grid ``(n_items, Hkv * head_splits, B)``: dK, dV of one KV tile of one kv head, summed over
+    ``GROUP // head_splits`` query heads and the Q tiles of one work item (see :func:`split_plan`).
+
+    Without SPLIT every KV tile is one item and the whole group one split: the result goes to DK, DV in
+    their dtype. With SPLIT, DK and DV are float32 partials ``(B, Hkv, head_splits, n_items, BLOCK_N,
+    D_PAD)`` contiguous, summed by ``_sum_partials``.
+    """
+    item = tl.program_id(0)
+    pid_h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                                    # (BLOCK_N,)
+    hkv = (pid_h // head_splits).to(tl.int64)
+    split = pid_h % head_splits
+    heads = GROUP // head_splits
+    row = WORK + item * 5
+    tile = tl.load(row + _W_TILE)
+    m_start = tl.load(row + _W_START)
+    m_full_start = tl.load(row + _W_FULL_START)
+    m_full_end = tl.load(row + _W_FULL_END)
+    m_end = tl.load(row + _W_END)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)                                     # (BLOCK_N,)
     offs_d = tl.arange(0, D_PAD)                                                        # (D_PAD,)
     k = _load_rows(K + b * stride_kb + hkv * stride_kh, offs_n, nk, stride_kn, offs_d, True, HEAD_DIM, D_PAD)
     v = _load_rows(V + b * stride_vb + hkv * stride_vh, offs_n, nk, stride_vn, offs_d, True, HEAD_DIM, D_PAD)
     dk = tl.zeros((BLOCK_N, D_PAD), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, D_PAD), dtype=tl.float32)
-    ranges = QTABLE + pid_n * 4
-    m_start = tl.load(ranges + _Q_START)
-    m_full_start = tl.load(ranges + _Q_FULL_START)
-    m_full_end = tl.load(ranges + _Q_FULL_END)
-    m_end = tl.load(ranges + _Q_END)
-    for g in range(GROUP):
+    for g in range(split * heads, split * heads + heads):
         h = hkv * GROUP + g
         q_head = Q + b * stride_qb + h * stride_qh
         do_head = DO + b * stride_dob + h * stride_doh
@@ -189,8 +207,48 @@ def _dkdv(
             dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, m * BLOCK_M, stride_qn,
                                 stride_don, offs_n, offs_d, nq, nk, left, right, sink_tokens, qk_scale, True,
                                 HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, BLOCK_M, HEAD_DIM, D_PAD, PRECISION)
-    _store_rows(DK + b * stride_dkb + hkv * stride_dkh, offs_n, nk, stride_dkn, offs_d, dk * scale, HEAD_DIM)
-    _store_rows(DV + b * stride_dvb + hkv * stride_dvh, offs_n, nk, stride_dvn, offs_d, dv, HEAD_DIM)
+    if SPLIT:
+        # pid_h = hkv * head_splits + split, so this is partial [b, hkv, split, item]
+        slot = ((b * tl.num_programs(1) + pid_h) * n_items + item) * (BLOCK_N * D_PAD)
+        tile_offs = tl.arange(0, BLOCK_N)[:, None] * D_PAD + offs_d[None, :]           # (BLOCK_N, D_PAD)
+        tl.store(DK + slot + tile_offs, dk * scale)
+        tl.store(DV + slot + tile_offs, dv)
+    else:
+        _store_rows(DK + b * stride_dkb + hkv * stride_dkh, offs_n, nk, stride_dkn, offs_d, dk * scale, HEAD_DIM)
+        _store_rows(DV + b * stride_dvb + hkv * stride_dvh, offs_n, nk, stride_dvn, offs_d, dv, HEAD_DIM)
+
+
+@triton.jit
+def _sum_partials(
+    PK, PV, DK, DV, FIRST,
+    stride_dkb, stride_dkh, stride_dkn,     # DK: (B, Hkv, Nk, D)
+    stride_dvb, stride_dvh, stride_dvn,     # DV: (B, Hkv, Nk, D)
+    Hkv, nk, head_splits, n_items,          # PK, PV: (B, Hkv, head_splits, n_items, BLOCK_N, D_PAD) float32
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+):
+    """Grid ``(cdiv(Nk, BLOCK_N), Hkv, B)``: dK, dV of one KV tile = the sum of its partials, head split by
+    head split and work item by work item (a fixed order: bitwise reproducible). FIRST: (n tiles + 1,) int32,
+    the tile's items are ``FIRST[t] .. FIRST[t + 1] - 1``."""
+    tile = tl.program_id(0)
+    hkv = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    first = tl.load(FIRST + tile)
+    last = tl.load(FIRST + tile + 1)
+    offs_d = tl.arange(0, D_PAD)                                                        # (D_PAD,)
+    head_base = (b * Hkv + hkv) * head_splits
+    for r in range(0, BLOCK_N, ROWS):
+        offs_r = r + tl.arange(0, ROWS)                                                 # (ROWS,)
+        tile_offs = offs_r[:, None] * D_PAD + offs_d[None, :]                           # (ROWS, D_PAD)
+        dk = tl.zeros((ROWS, D_PAD), dtype=tl.float32)
+        dv = tl.zeros((ROWS, D_PAD), dtype=tl.float32)
+        for s in range(0, head_splits):
+            for i in range(first, last):
+                slot = ((head_base + s) * n_items + i) * (BLOCK_N * D_PAD)
+                dk += tl.load(PK + slot + tile_offs)
+                dv += tl.load(PV + slot + tile_offs)
+        offs_n = tile * BLOCK_N + offs_r
+        _store_rows(DK + b * stride_dkb + hkv * stride_dkh, offs_n, nk, stride_dkn, offs_d, dk, HEAD_DIM)
+        _store_rows(DV + b * stride_dvb + hkv * stride_dvh, offs_n, nk, stride_dvn, offs_d, dv, HEAD_DIM)
 
 
 @triton.jit

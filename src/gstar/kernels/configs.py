@@ -34,15 +34,26 @@ _FORWARD_FP32 = (
 )
 # Under the Triton interpreter (CPU tensors) small tiles make tests cover several blocks and stay fast.
 _FORWARD_INTERPRETER = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
+# Kernel switches (scripts/tune-forward times each against its old path). FOLD_SCALE: one FMA per score
+# in the softmax instead of a multiply and a subtract. TMA: tensor-descriptor loads/stores on Hopper.
+# PACK_GQA: query heads of one GQA group per tile, so each K/V block is loaded once for the whole pack;
+# each head keeps at least _PACK_MIN_ROWS positions of the tile.
+_FORWARD_FOLD_SCALE = True
+_FORWARD_TMA = True
+_FORWARD_PACK_GQA = 8
+_PACK_MIN_ROWS = 16
 
 
-def forward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device) -> dict:
-    """Launch settings of the forward kernel: ``{"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}``.
+def forward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device, group: int = 1) -> dict:
+    """Launch settings of the forward kernel.
 
-    head_dim: D (1..256); dtype: q's dtype; pattern: the normalised attention pattern; device: q's device.
+    head_dim: D (1..256); dtype: q's dtype; pattern: the normalised attention pattern; device: q's device;
+    group: Hq // Hkv. Returns ``{"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}`` (BLOCK_M counts tile
+    rows over all packed heads) plus the kernel switches ``"FOLD_SCALE"`` (bool), ``"TMA"`` (bool) and
+    ``"PACK_GQA"`` (query heads per tile, a power of two dividing ``group``).
     """
     if torch.device(device).type != "cuda":
-        return dict(_FORWARD_INTERPRETER)
+        return dict(_FORWARD_INTERPRETER, FOLD_SCALE=_FORWARD_FOLD_SCALE, TMA=False, PACK_GQA=1)
     table = _FORWARD_FP32 if dtype == torch.float32 else _FORWARD_16BIT
     block_m, block_n, num_warps, num_stages = next(row[1:] for row in table if head_dim <= row[0])
     narrow = 0 <= pattern.left and 0 <= pattern.right and pattern.left + pattern.right + 1 <= _NARROW_WINDOW
@@ -54,7 +65,17 @@ def forward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device) 
         block_n = min(block_n, 32)  # narrow windows: smaller KV blocks waste fewer masked keys
     if torch.cuda.get_device_capability(device)[0] < 9:
         num_stages = min(num_stages, 2)  # pre-Hopper parts have less shared memory per SM
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages}
+    pack = 1
+    while pack * 2 <= _FORWARD_PACK_GQA and group % (pack * 2) == 0 and block_m // (pack * 2) >= _PACK_MIN_ROWS:
+        pack *= 2
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages,
+            "FOLD_SCALE": _FORWARD_FOLD_SCALE, "TMA": _FORWARD_TMA, "PACK_GQA": pack}
+
+
+def tma_supported(device) -> bool:
+    """Tensor descriptors work on Hopper and later GPUs, and under the interpreter (CPU tensors)."""
+    device = torch.device(device)
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -75,35 +96,55 @@ def pad_head_dim(d: int) -> int:
 
 @dataclass(frozen=True)
 class BackwardConfig:
-    """Tiles of the two main kernels: ``_dkdv`` walks Q tiles of ``dkdv_m`` rows over a KV tile of
-    ``dkdv_n`` keys; ``_dq`` walks KV blocks of ``dq_n`` keys over a Q tile of ``dq_m`` rows."""
+    """Tiles and launch settings of the two main backward kernels.
+
+    ``_dkdv`` walks Q tiles of ``dkdv_m`` rows over a KV tile of ``dkdv_n`` keys (``dkdv_warps`` warps,
+    ``dkdv_stages`` pipeline stages); ``_dq`` walks KV blocks of ``dq_n`` keys over a Q tile of ``dq_m`` rows.
+    ``head_splits`` (a divisor of the GQA group) and ``q_chunk`` (Q tiles per dK/dV program) split the dK/dV
+    work over more programs whose float32 partial sums are added in a fixed order; 0 lets
+    :func:`gstar.kernels.backward.split_plan` choose from the SM count (1 and unbounded when the grid is
+    already large).
+    """
 
     dkdv_m: int
     dkdv_n: int
     dq_m: int
     dq_n: int
-    num_warps: int = 4
-    num_stages: int = 1
+    dkdv_warps: int = 4
+    dkdv_stages: int = 1
+    dq_warps: int = 4
+    dq_stages: int = 1
+    head_splits: int = 0
+    q_chunk: int = 0
+
+
+# 16-bit rows: (largest padded head dim, narrow band only, dkdv (m, n, warps, stages), dq (m, n, warps, stages));
+# the first row that matches wins. dK/dV keep two (dkdv_n, D) float32 accumulators and the K/V tile of a
+# program resident, so the key tile is as long as registers allow (128 keys at 8 warps is 64 accumulator
+# registers per thread per 64 head-dim columns) and the Q tile short; dQ is the mirror image.
+_BACKWARD_16BIT = (
+    (64, True, (64, 64, 4, 2), (64, 64, 4, 2)),     # narrow window: a KV tile is seen by few Q tiles
+    (64, False, (64, 128, 8, 2), (128, 64, 8, 2)),
+    (128, False, (64, 128, 8, 2), (128, 64, 8, 2)),
+    (256, False, (16, 32, 4, 1), (32, 32, 4, 1)),
+)
 
 
 def backward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device) -> BackwardConfig:
     """Launch settings of the backward kernels (same arguments as ``configs.forward_config``).
 
-    Chosen so that ptxas reports no register spills for sm_90 (the dK/dV accumulators and the resident
-    Q/dO or K/V tiles all live in registers). Under the interpreter the tiles are small and unequal, so that the two block
-    tables differ and tests span several tiles.
+    Under the interpreter the tiles are small and unequal, so that the two block tables differ and tests
+    span several tiles; the dK/dV split is left to :func:`gstar.kernels.backward.split_plan` (which does not
+    split on CPU: tests force it through ``head_splits`` / ``q_chunk``).
     """
     if torch.device(device).type != "cuda":
-        return BackwardConfig(16, 32, 32, 16, num_warps=1)
+        return BackwardConfig(16, 32, 32, 16, dkdv_warps=1, dq_warps=1)
     d_pad = pad_head_dim(head_dim)
     if dtype == torch.float32:  # IEEE dots run on FMA units and float32 tiles take twice the registers
         if d_pad > 128:
-            return BackwardConfig(16, 16, 16, 16, num_warps=4, num_stages=1)
-        return BackwardConfig(16, 32, 32, 16, num_warps=4, num_stages=1)
-    if d_pad > 128:
-        return BackwardConfig(16, 32, 32, 32, num_warps=4, num_stages=1)
-    if d_pad == 128:
-        return BackwardConfig(32, 64, 128, 32, num_warps=8, num_stages=2)
-    if 0 <= pattern.left and 0 <= pattern.right and pattern.left + pattern.right + 1 <= 256:
-        return BackwardConfig(64, 64, 64, 64, num_warps=4, num_stages=2)  # narrow band: less masked waste
-    return BackwardConfig(64, 128, 128, 64, num_warps=8, num_stages=2)
+            return BackwardConfig(16, 16, 16, 16)
+        return BackwardConfig(16, 32, 32, 16)
+    narrow = 0 <= pattern.left and 0 <= pattern.right and pattern.left + pattern.right + 1 <= 256
+    dkdv, dq = next((r[2], r[3]) for r in _BACKWARD_16BIT if d_pad <= r[0] and (narrow or not r[1]))
+    return BackwardConfig(dkdv[0], dkdv[1], dq[0], dq[1], dkdv_warps=dkdv[2], dkdv_stages=dkdv[3],
+                          dq_warps=dq[2], dq_stages=dq[3])

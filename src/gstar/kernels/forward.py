@@ -15,11 +15,12 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import pattern as _pat
 from ..pattern import Pattern, kv_block_table
 from . import outputs
-from .configs import dot_precision, forward_config, pad_head_dim
+from .configs import dot_precision, forward_config, pad_head_dim, tma_supported
 
 LOG2E = math.log2(math.e)
 _LOG2E = tl.constexpr(LOG2E)
@@ -31,31 +32,44 @@ _KV_BAND_END, _KV_COLUMNS = tl.constexpr(_pat.KV_BAND_END), tl.constexpr(5)
 
 
 @triton.jit
-def _attend_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_n, d_ok, lo_key, hi_key,
-                   block_lo, block_hi, qk_scale, Nk, sink_tokens,
-                   BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+def _attend_blocks(acc, m_i, l_i, q, K, V, k_ptrs, v_ptrs, stride_kn, stride_vn, b, h_kv, offs_n, d_ok,
+                   lo_key, hi_key, block_lo, block_hi, qk_scale, Nk, sink_tokens,
+                   BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, EVEN_D: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
-                   MASKED: tl.constexpr, PRECISION: tl.constexpr):
+                   MASKED: tl.constexpr, MAY_BE_EMPTY: tl.constexpr, FOLD_SCALE: tl.constexpr,
+                   USE_TMA: tl.constexpr, PRECISION: tl.constexpr):
     """Fold KV blocks ``[block_lo, block_hi)`` into the running ``(acc, m_i, l_i)`` of one Q tile.
 
     acc: (BLOCK_M, D_PAD) float32 unnormalised output; m_i, l_i: (BLOCK_M,) float32 running max (base 2,
-    scaled) and running sum; q: (BLOCK_M, D_PAD); k_ptrs: (D_PAD, BLOCK_N) and v_ptrs: (BLOCK_N, D_PAD)
-    pointing at keys 0..BLOCK_N-1 of this kv head; offs_n: (BLOCK_N,); d_ok: (D_PAD,) real head-dim lanes;
-    lo_key, hi_key: (BLOCK_M,) each row's window bounds ``p(i) - left`` and ``p(i) + right``.
+    scaled) and running sum; q: (BLOCK_M, D_PAD). With ``USE_TMA``, K and V are tensor descriptors of
+    (B, Hkv, Nk, HEAD_DIM) with blocks (1, 1, BLOCK_N, D_PAD) that zero-fill past Nk and HEAD_DIM; otherwise
+    k_ptrs: (D_PAD, BLOCK_N) and v_ptrs: (BLOCK_N, D_PAD) point at keys 0..BLOCK_N-1 of this kv head.
+    b, h_kv: int32 batch and kv head, the descriptors' block coordinates (TMA offsets are 32-bit).
+    offs_n: (BLOCK_N,); d_ok: (D_PAD,) real head-dim lanes; lo_key, hi_key: (BLOCK_M,) each row's window
+    bounds ``p(i) - left`` and ``p(i) + right``.
     ``MASKED`` blocks evaluate the rule of ``gstar.pattern`` and guard keys past ``Nk``; the others are
-    whole blocks visible to every stored row, so they skip both.
+    whole blocks visible to every stored row, so they skip both. ``MAY_BE_EMPTY``: a row can still have
+    ``m_i = -inf`` here (no learned sink), so masked blocks must shift such rows by 0.
+    ``FOLD_SCALE`` (needs qk_scale > 0): the max is taken over raw scores and scaled once per row, and
+    ``exp2(s * qk_scale - m)`` is one FMA per score instead of a multiply then a subtract.
     """
     for block in range(block_lo, block_hi):
         start_n = block * BLOCK_N
-        k_block = k_ptrs + start_n.to(tl.int64) * stride_kn
         if MASKED:
             cols = start_n + offs_n  # (BLOCK_N,)
-            k = tl.load(k_block, mask=d_ok[:, None] & (cols[None, :] < Nk), other=0.0)
-        elif EVEN_D:
-            k = tl.load(k_block)
+        if USE_TMA:
+            k = K.load([b, h_kv, start_n, 0]).reshape(BLOCK_N, D_PAD).T
         else:
-            k = tl.load(k_block, mask=d_ok[:, None], other=0.0)
-        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), base-2 logits
+            k_block = k_ptrs + start_n.to(tl.int64) * stride_kn
+            if MASKED:
+                k = tl.load(k_block, mask=d_ok[:, None] & (cols[None, :] < Nk), other=0.0)
+            elif EVEN_D:
+                k = tl.load(k_block)
+            else:
+                k = tl.load(k_block, mask=d_ok[:, None], other=0.0)
+        s = tl.dot(q, k, input_precision=PRECISION)  # (BLOCK_M, BLOCK_N) raw scores
+        if not FOLD_SCALE:
+            s = s * qk_scale  # base-2 logits
         if MASKED:
             visible = cols[None, :] < Nk
             if HAS_RIGHT:
@@ -66,24 +80,34 @@ def _attend_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_
                     inside = inside | (cols[None, :] < sink_tokens)
                 visible = visible & inside
             s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # (BLOCK_M,)
-        if MASKED:
+        if FOLD_SCALE:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # (BLOCK_M,); max commutes with a positive scale
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED and MAY_BE_EMPTY:
             # a row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
             # m_i itself stays -inf: a finite stand-in could sit far above later scores and flush them to 0
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
-            shift = m_new  # a whole visible block gives every row a finite max
+            shift = m_new  # a whole visible block, or a learned sink, gives every row a finite max
         alpha = tl.math.exp2(m_i - shift)  # (BLOCK_M,)
-        p = tl.math.exp2(s - shift[:, None])  # (BLOCK_M, BLOCK_N)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_block = v_ptrs + start_n.to(tl.int64) * stride_vn
-        if MASKED:
-            v = tl.load(v_block, mask=(cols[:, None] < Nk) & d_ok[None, :], other=0.0)
-        elif EVEN_D:
-            v = tl.load(v_block)
+        if FOLD_SCALE:
+            p = tl.math.exp2(s * qk_scale - shift[:, None])  # (BLOCK_M, BLOCK_N)
         else:
-            v = tl.load(v_block, mask=d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            p = tl.math.exp2(s - shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if USE_TMA:
+            v = V.load([b, h_kv, start_n, 0]).reshape(BLOCK_N, D_PAD)
+        else:
+            v_block = v_ptrs + start_n.to(tl.int64) * stride_vn
+            if MASKED:
+                v = tl.load(v_block, mask=(cols[:, None] < Nk) & d_ok[None, :], other=0.0)
+            elif EVEN_D:
+                v = tl.load(v_block)
+            else:
+                v = tl.load(v_block, mask=d_ok[None, :], other=0.0)
+        # the rescaled accumulator goes in as the dot's accumulator, so the MMA adds into it in place
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -99,43 +123,57 @@ def _forward_kernel(
         stride_ob, stride_oh, stride_om,
         Hq, group, Nq, Nk, offset, left, right, sink_tokens, qk_scale,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, EVEN_D: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr,
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
-        HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr):
-    """Grid ``(Hq, cdiv(Nq, BLOCK_M), B)``.
+        HAS_SINKS: tl.constexpr, FOLD_SCALE: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr):
+    """Grid ``(Hq // PACK, cdiv(Nq, BLOCK_M // PACK), B)``.
 
     Q, Out: (B, Hq, Nq, HEAD_DIM); K, V: (B, Hkv, Nk, HEAD_DIM), Hkv = Hq // group; all with unit last
-    stride. Sinks: (Hq,) float32 (read only if HAS_SINKS); Lse: (B, Hq, Nq) float32 contiguous;
-    Table: (cdiv(Nq, BLOCK_M), 5) int32 from ``kv_block_table``. qk_scale = scale * log2(e).
+    stride. With ``USE_TMA`` the four are tensor descriptors over those shapes, with blocks
+    (1, PACK, BLOCK_M // PACK, D_PAD) for Q and Out and (1, 1, BLOCK_N, D_PAD) for K and V (the strides
+    arguments are then unused). Sinks: (Hq,) float32 (read only if HAS_SINKS); Lse: (B, Hq, Nq) float32
+    contiguous; Table: (cdiv(Nq, BLOCK_M // PACK), 5) int32 from ``kv_block_table`` with tiles of
+    BLOCK_M // PACK rows. qk_scale = scale * log2(e), and > 0 if FOLD_SCALE.
     EVEN_D: HEAD_DIM == D_PAD, so that whole blocks load without any mask.
+    PACK: query heads of one GQA group (PACK divides group) stacked in one tile of BLOCK_M rows, PACK
+    heads times BLOCK_M // PACK positions: each K/V block is loaded once for all of them.
     """
+    ROWS: tl.constexpr = BLOCK_M // PACK
     # Heads vary fastest, so the query heads of a GQA group run side by side and share K/V through L2;
     # tiles run last to first, so under a causal mask the longest rows start first and short ones fill in.
-    h = tl.program_id(0)
+    h0 = tl.program_id(0) * PACK  # first query head of this tile
     tile = tl.num_programs(1) - 1 - tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)  # 64-bit from here on: one head's offset may pass 2^31
-    h_kv = (h // group).to(tl.int64)
-    row_start = tile * BLOCK_M
+    b32 = tl.program_id(2)  # descriptor coordinates are 32-bit; pointer offsets are 64-bit from here on,
+    b = b32.to(tl.int64)  # since one head's offset may pass 2^31
+    h_kv32 = h0 // group
+    h_kv = h_kv32.to(tl.int64)
+    row_start = tile * ROWS
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
-    rows = row_start + offs_m  # (BLOCK_M,)
+    heads = h0 + offs_m // ROWS  # (BLOCK_M,) query head of each tile row
+    rows = row_start + offs_m % ROWS  # (BLOCK_M,) its position in the sequence
     row_ok = rows < Nq
     d_ok = offs_d < HEAD_DIM  # (D_PAD,) all true unless D was padded to a power of two
+    q_rows = b * stride_qb + heads.to(tl.int64) * stride_qh + rows.to(tl.int64) * stride_qm  # (BLOCK_M,)
 
-    q_tile = Q + b * stride_qb + h.to(tl.int64) * stride_qh + row_start.to(tl.int64) * stride_qm
-    q = tl.load(q_tile + offs_m[:, None] * stride_qm + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, D_PAD)
-    k_ptrs = K + b * stride_kb + h_kv * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None]  # K^T
-    v_ptrs = V + b * stride_vb + h_kv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+    if USE_TMA:
+        q = Q.load([b32, h0, row_start, 0]).reshape(BLOCK_M, D_PAD)  # zero past Nq and HEAD_DIM
+        k_ptrs = K
+        v_ptrs = V
+    else:
+        q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                    other=0.0)  # (BLOCK_M, D_PAD)
+        k_ptrs = K + b * stride_kb + h_kv * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None]  # K^T
+        v_ptrs = V + b * stride_vb + h_kv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
     lo_key = rows + offset - left   # (BLOCK_M,) window bounds of each row, used by masked blocks only
     hi_key = rows + offset + right
 
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     if HAS_SINKS:
         # exp2(m) * l = exp(sink): the sink is already in the sum, with no value to carry
-        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sinks + h) * _LOG2E
+        m_i = tl.load(Sinks + heads) * _LOG2E  # (BLOCK_M,)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -148,31 +186,47 @@ def _forward_kernel(
     full_end = tl.load(ranges + _KV_FULL_END)
     band_end = tl.load(ranges + _KV_BAND_END)
 
+    may_be_empty: tl.constexpr = not HAS_SINKS
     if HAS_SINK_TOKENS:
-        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_n, d_ok,
-                                       lo_key, hi_key, 0, sink_end, qk_scale, Nk, sink_tokens, BLOCK_N,
-                                       EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True, PRECISION)
-    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_n, d_ok,
-                                   lo_key, hi_key, band_start, full_start, qk_scale, Nk, sink_tokens, BLOCK_N,
-                                   EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True, PRECISION)
-    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_n, d_ok,
-                                   lo_key, hi_key, full_start, full_end, qk_scale, Nk, sink_tokens, BLOCK_N,
-                                   EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, False, PRECISION)
-    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_n, d_ok,
-                                   lo_key, hi_key, full_end, band_end, qk_scale, Nk, sink_tokens, BLOCK_N,
-                                   EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True, PRECISION)
+        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, K, V, k_ptrs, v_ptrs, stride_kn, stride_vn, b32, h_kv32,
+                                       offs_n, d_ok, lo_key, hi_key, 0, sink_end, qk_scale, Nk, sink_tokens,
+                                       BLOCK_N, D_PAD, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True,
+                                       may_be_empty, FOLD_SCALE, USE_TMA, PRECISION)
+    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, K, V, k_ptrs, v_ptrs, stride_kn, stride_vn, b32, h_kv32,
+                                   offs_n, d_ok, lo_key, hi_key, band_start, full_start, qk_scale, Nk, sink_tokens,
+                                   BLOCK_N, D_PAD, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True,
+                                   may_be_empty, FOLD_SCALE, USE_TMA, PRECISION)
+    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, K, V, k_ptrs, v_ptrs, stride_kn, stride_vn, b32, h_kv32,
+                                   offs_n, d_ok, lo_key, hi_key, full_start, full_end, qk_scale, Nk, sink_tokens,
+                                   BLOCK_N, D_PAD, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, False,
+                                   may_be_empty, FOLD_SCALE, USE_TMA, PRECISION)
+    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, K, V, k_ptrs, v_ptrs, stride_kn, stride_vn, b32, h_kv32,
+                                   offs_n, d_ok, lo_key, hi_key, full_end, band_end, qk_scale, Nk, sink_tokens,
+                                   BLOCK_N, D_PAD, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True,
+                                   may_be_empty, FOLD_SCALE, USE_TMA, PRECISION)
 
     # rows that saw no key (and no sink) have l = 0 and acc = 0: divide by 1 to store exact zeros
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
+    out = (acc / l_safe[:, None]).to(q.dtype)  # Out has q's dtype
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * _LN2)  # natural log
 
-    o_tile = Out + b * stride_ob + h.to(tl.int64) * stride_oh + row_start.to(tl.int64) * stride_om
-    tl.store(o_tile + offs_m[:, None] * stride_om + offs_d[None, :], out.to(Out.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok[None, :])
-    lse_row = Lse + (b * Hq + h) * Nq  # Lse is contiguous (B, Hq, Nq)
-    tl.store(lse_row + rows, lse, mask=row_ok)
+    if USE_TMA:
+        Out.store([b32, h0, row_start, 0], out.reshape(1, PACK, ROWS, D_PAD))  # clipped at Nq and HEAD_DIM
+    else:
+        o_rows = b * stride_ob + heads.to(tl.int64) * stride_oh + rows.to(tl.int64) * stride_om
+        tl.store(Out + o_rows[:, None] + offs_d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(Lse + (b * Hq + heads) * Nq + rows, lse, mask=row_ok)  # Lse is contiguous (B, Hq, Nq)
+
+
+def _tma_ok(*tensors) -> bool:
+    """Whether tensor descriptors can address these tensors: 16-byte aligned base and outer strides."""
+    return all(t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+               and min(t.shape) > 0 for t in tensors)
+
+
+def _descriptor(t, block_shape):
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block_shape)
 
 
 def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: dict | None = None):
@@ -180,7 +234,10 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
 
     q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D); float16/bfloat16/float32, any strides with unit last stride
     (never copied). sinks: None or (Hq,) float32, unscaled. pattern: normalised :class:`Pattern`.
-    ``config`` (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides :func:`forward_config`, for tests.
+    ``config`` overrides :func:`forward_config` (same keys; missing switches take its defaults), for tests
+    and tuning. The switches are requests: ``TMA`` falls back to pointer loads where descriptors can't
+    address the tensors (misaligned strides, pre-Hopper GPUs), ``FOLD_SCALE`` is ignored for scale <= 0,
+    and ``PACK_GQA`` shrinks to the largest power of two dividing the GQA group.
 
     out: (B, Hq, Nq, D) in q's dtype and memory layout, zero rows where no key is visible.
     lse: (B, Hq, Nq) float32 natural-log logsumexp with the sink term; ``-inf`` (or ``sinks[h]``) for
@@ -188,24 +245,33 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
     """
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    cfg = config or forward_config(D, q.dtype, pattern, q.device)
+    cfg = forward_config(D, q.dtype, pattern, q.device, group=Hq // Hkv)
+    cfg.update(config or {})
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    pack = math.gcd(cfg["PACK_GQA"], Hq // Hkv, block_m)
+    rows = block_m // pack  # positions per tile and head
     out = outputs.empty_like(q)                                                     # (B, Hq, Nq, D)
     lse = outputs.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)         # (B, Hq, Nq)
-    table = kv_block_table(pattern, block_m, block_n, q.device)                    # (n_tiles, 5)
+    table = kv_block_table(pattern, rows, block_n, q.device)                       # (n_tiles, 5)
     d_pad = pad_head_dim(D)
-    grid = (Hq, triton.cdiv(Nq, block_m), B)
+    use_tma = cfg["TMA"] and tma_supported(q.device) and _tma_ok(q, k, v, out)
+    if use_tma:
+        q_arg, out_arg = _descriptor(q, [1, pack, rows, d_pad]), _descriptor(out, [1, pack, rows, d_pad])
+        k_arg, v_arg = _descriptor(k, [1, 1, block_n, d_pad]), _descriptor(v, [1, 1, block_n, d_pad])
+    else:
+        q_arg, k_arg, v_arg, out_arg = q, k, v, out
+    grid = (Hq // pack, triton.cdiv(Nq, rows), B)
     _forward_kernel[grid](
-        q, k, v, sinks, out, lse, table,
+        q_arg, k_arg, v_arg, sinks, out_arg, lse, table,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         Hq, Hq // Hkv, Nq, Nk, pattern.offset, pattern.left, pattern.right, pattern.sink_tokens,
         scale * LOG2E,
-        HEAD_DIM=D, D_PAD=d_pad, EVEN_D=d_pad == D, BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=D, D_PAD=d_pad, EVEN_D=d_pad == D, BLOCK_M=block_m, BLOCK_N=block_n, PACK=pack,
         HAS_LEFT=pattern.left >= 0, HAS_RIGHT=pattern.right >= 0, HAS_SINK_TOKENS=pattern.sink_tokens > 0,
-        HAS_SINKS=sinks is not None, PRECISION=dot_precision(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        HAS_SINKS=sinks is not None, FOLD_SCALE=bool(cfg["FOLD_SCALE"]) and scale > 0, USE_TMA=use_tma,
+        PRECISION=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out, lse
