@@ -1,4 +1,5 @@
-"""``gstar.flash_attention``: validation, normalisation, dispatch, and the autograd entry.
+"""``gstar.flash_attention`` and ``gstar.flash_attention_varlen``: validation, normalisation, dispatch,
+and the autograd entry.
 
 Every public entry point validates here and nowhere else; backends receive tensors they can trust and a
 normalised :class:`gstar.pattern.Pattern`.
@@ -82,22 +83,15 @@ def _resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> 
     return backend
 
 
-def normalize(q, k, v, *, causal, window, sink_tokens, sinks, scale, backend):
-    """Validate every argument (DESIGN.md section 2) and return ``(pattern, scale, backend)``."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t, 4)
-    B, Hq, Nq, D = q.shape
-    if k.shape[0] != B or v.shape[0] != B:
-        raise ValueError(f"batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
-    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
-        raise ValueError(f"k and v must have the same (heads, seqlen): k {tuple(k.shape)}, v {tuple(v.shape)}")
-    Hkv, Nk = k.shape[1], k.shape[2]
+def _check_group(q, k, v) -> tuple[int, int]:
+    """Checks shared by every layout with heads on dim 1 and the head dim last; returns ``(Hq, D)``."""
+    Hq, Hkv, D = q.shape[1], k.shape[1], q.shape[-1]
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
-    if k.shape[3] != D:
-        raise ValueError(f"k head dim must equal q head dim {D}, got {k.shape[3]}")
-    if v.shape[3] != D:
-        raise ValueError(f"v head dim must equal q head dim {D} (Dv != D is not supported), got {v.shape[3]}")
+    if k.shape[-1] != D:
+        raise ValueError(f"k head dim must equal q head dim {D}, got {k.shape[-1]}")
+    if v.shape[-1] != D:
+        raise ValueError(f"v head dim must equal q head dim {D} (Dv != D is not supported), got {v.shape[-1]}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.dtype not in _FLOATS + (torch.float64,):
@@ -107,6 +101,14 @@ def normalize(q, k, v, *, causal, window, sink_tokens, sinks, scale, backend):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.numel() and t.stride(-1) != 1:
             raise ValueError(f"{name} must have unit stride on its last dim, got strides {t.stride()}")
+    return Hq, D
+
+
+def _check_options(q, Hq: int, D: int, *, causal, window, sink_tokens, sinks, scale, backend):
+    """Validate the keyword arguments every entry point shares.
+
+    Returns ``(window, sink_tokens, scale, backend)`` as plain ints, a float and a resolved backend name.
+    """
     backend = _resolve_backend(backend, q.device, q.dtype)
     if backend == "triton" and not 1 <= D <= MAX_HEAD_DIM:
         raise ValueError(f"head dim must be between 1 and {MAX_HEAD_DIM} for the Triton backend, got {D}")
@@ -133,9 +135,43 @@ def normalize(q, k, v, *, causal, window, sink_tokens, sinks, scale, backend):
         scale = D ** -0.5
     elif not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not math.isfinite(scale):
         raise TypeError(f"scale must be a finite float or None, got {scale!r}")
-    pattern = Pattern.make(Nq, Nk, causal=causal, window=(int(window[0]), int(window[1])),
-                           sink_tokens=int(sink_tokens))
-    return pattern, float(scale), backend
+    return (int(window[0]), int(window[1])), int(sink_tokens), float(scale), backend
+
+
+def normalize(q, k, v, *, causal, window, sink_tokens, sinks, scale, backend):
+    """Validate every argument of :func:`flash_attention` (DESIGN.md section 2).
+
+    Returns ``(pattern, scale, backend)``.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t, 4)
+    B = q.shape[0]
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must have the same (heads, seqlen): k {tuple(k.shape)}, v {tuple(v.shape)}")
+    Hq, D = _check_group(q, k, v)
+    window, sink_tokens, scale, backend = _check_options(
+        q, Hq, D, causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks, scale=scale,
+        backend=backend)
+    pattern = Pattern.make(q.shape[2], k.shape[2], causal=causal, window=window, sink_tokens=sink_tokens)
+    return pattern, scale, backend
+
+
+def _attend(q, k, v, sinks, pattern: Pattern, scale: float, backend: str):
+    """Validated dense attention: ``(out, lse)``, with empty inputs answered without a backend call.
+
+    q: (B, Hq, Nq, D), k, v: (B, Hkv, Nk, D), sinks: (Hq,) or None. out: (B, Hq, Nq, D), lse: (B, Hq, Nq).
+    """
+    B, Hq, Nq, _ = q.shape
+    if B == 0 or Nq == 0 or pattern.nk == 0:
+        out = torch.zeros_like(q)
+        if sinks is None:
+            lse = torch.full((B, Hq, Nq), -math.inf, device=q.device)
+        else:
+            lse = sinks.float().view(1, Hq, 1).expand(B, Hq, Nq)
+        return out, lse
+    return _Attention.apply(q, k, v, sinks, pattern, scale, backend)
 
 
 def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, sinks=None, scale=None,
@@ -170,13 +206,141 @@ def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
     """
     pattern, scale, backend = normalize(q, k, v, causal=causal, window=window, sink_tokens=sink_tokens,
                                         sinks=sinks, scale=scale, backend=backend)
-    B, Hq, Nq, _ = q.shape
-    if B == 0 or Nq == 0 or pattern.nk == 0:
-        out = torch.zeros_like(q)
-        if sinks is None:
-            lse = torch.full((B, Hq, Nq), -math.inf, device=q.device)
-        else:
-            lse = sinks.float().view(1, Hq, 1).expand(B, Hq, Nq)
-        return (out, lse) if return_lse else out
-    out, lse = _Attention.apply(q, k, v, sinks, pattern, scale, backend)
+    out, lse = _attend(q, k, v, sinks, pattern, scale, backend)
+    return (out, lse) if return_lse else out
+
+
+def _check_cu_seqlens(name: str, cu, device: torch.device):
+    _check_tensor(name, cu, 1)
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype torch.int32, got {cu.dtype}")
+    if cu.device != device:
+        raise ValueError(f"{name} must be on q's device {device}, got {cu.device}")
+    if cu.shape[0] == 0:
+        raise ValueError(f"{name} must have num_seqs + 1 >= 1 elements, got shape {tuple(cu.shape)}")
+
+
+def _check_offsets(name: str, offsets: list[int], total_name: str, total: int, max_name: str, max_seqlen: int):
+    """The values of one cumulative-length list: 0 first, non-decreasing, ``total`` last, gaps <= max_seqlen."""
+    if offsets[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {offsets[0]}")
+    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+    for i, n in enumerate(lengths):
+        if n < 0:
+            raise ValueError(f"{name} must be non-decreasing, got {offsets[i]} then {offsets[i + 1]} "
+                             f"at index {i + 1}")
+    if offsets[-1] != total:
+        raise ValueError(f"{name} must end at {total_name} = {total}, got {offsets[-1]}")
+    longest = max(lengths, default=0)
+    if longest > max_seqlen:
+        raise ValueError(f"{max_name} must be >= the longest sequence in {name} ({longest}), got {max_seqlen}")
+    return lengths
+
+
+def normalize_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, window,
+                     sink_tokens, sinks, scale, backend):
+    """Validate every argument of :func:`flash_attention_varlen`.
+
+    Returns ``(lengths_q, lengths_k, window, sink_tokens, scale, backend)`` with the per-sequence lengths as
+    Python lists. Reading them costs one device-to-host copy of both ``cu_seqlens`` (one sync on CUDA),
+    which the per-sequence loop needs anyway.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t, 3)
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k and v must have the same (total_k, heads): k {tuple(k.shape)}, v {tuple(v.shape)}")
+    Hq, D = _check_group(q, k, v)
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        _check_cu_seqlens(name, cu, q.device)
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (num_seqs + 1), got "
+                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not isinstance(m, numbers.Integral) or isinstance(m, bool):
+            raise TypeError(f"{name} must be an int, got {type(m).__name__}")
+        if m < 0:
+            raise ValueError(f"{name} must be >= 0, got {m}")
+    window, sink_tokens, scale, backend = _check_options(
+        q, Hq, D, causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks, scale=scale,
+        backend=backend)
+    offsets_q, offsets_k = torch.stack((cu_seqlens_q, cu_seqlens_k)).tolist()  # the one sync
+    lengths_q = _check_offsets("cu_seqlens_q", offsets_q, "total_q (q.shape[0])", q.shape[0], "max_seqlen_q",
+                               int(max_seqlen_q))
+    lengths_k = _check_offsets("cu_seqlens_k", offsets_k, "total_k (k.shape[0])", k.shape[0], "max_seqlen_k",
+                               int(max_seqlen_k))
+    return lengths_q, lengths_k, window, sink_tokens, scale, backend
+
+
+def _heads_first(x):
+    """(n, H, D) packed slice -> (1, H, n, D) view (unit last stride kept, no copy)."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def _varlen_per_sequence(q, k, v, sinks, lengths_q, lengths_k, causal, window, sink_tokens, scale, backend):
+    """One dense call per sequence on views of the packed tensors (a single-launch kernel replaces this).
+
+    q: (total_q, Hq, D), k, v: (total_k, Hkv, D), sinks: (Hq,) or None. Returns out (total_q, Hq, D)
+    contiguous and lse (Hq, total_q).
+    """
+    # split is one autograd node whose backward concatenates the pieces' gradients: O(total) work, where
+    # per-sequence slicing would build a zero-filled (total, H, D) gradient per sequence
+    pieces = zip(q.split(lengths_q), k.split(lengths_k), v.split(lengths_k))
+    outs, lses = [], []
+    for q_s, k_s, v_s in pieces:
+        if q_s.shape[0] == 0:
+            continue
+        pattern = Pattern.make(q_s.shape[0], k_s.shape[0], causal=causal, window=window, sink_tokens=sink_tokens)
+        out, lse = _attend(_heads_first(q_s), _heads_first(k_s), _heads_first(v_s), sinks, pattern, scale,
+                           backend)                                    # (1, Hq, n, D), (1, Hq, n)
+        outs.append(out[0].transpose(0, 1))                            # (n, Hq, D)
+        lses.append(lse[0])                                            # (Hq, n)
+    if not outs:
+        return torch.zeros_like(q), torch.empty((q.shape[1], 0), dtype=torch.float32, device=q.device)
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                           window=(-1, -1), sink_tokens=0, sinks=None, scale=None, return_lse=False,
+                           backend="auto"):
+    """Attention over packed variable-length sequences (the flash-attn varlen convention).
+
+    Sequence ``s`` is query rows ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]`` of ``q`` and key rows
+    ``cu_seqlens_k[s]:cu_seqlens_k[s + 1]`` of ``k`` and ``v``; it never sees another sequence's keys.
+    The result equals :func:`flash_attention` run on each sequence alone: positions, causality, the window
+    and sink tokens all count from the sequence's own start, with ``Nq != Nk`` per sequence allowed
+    (bottom-right alignment: query row ``i`` of a sequence sits at ``p(i) = i + Nk_s - Nq_s``). Key ``j``
+    of the same sequence is visible to query ``i`` when every switched-on condition holds::
+
+        causal:        j <= p(i)
+        window (l, r): p(i) - l <= j <= p(i) + r      (causal forces r = 0; -1 = unbounded)
+        sink_tokens S: j < S lifts the left bound only
+
+    Packed rows and keys for ``cu_seqlens_q = cu_seqlens_k = [0, 3, 5]``, ``causal=True`` (``1`` = visible)::
+
+        sequence 0   1 . . . .
+                     1 1 . . .
+                     1 1 1 . .
+        sequence 1   . . . 1 .
+                     . . . 1 1
+
+    Args:
+        q: ``(total_q, Hq, D)``; k, v: ``(total_k, Hkv, D)``, ``Hq % Hkv == 0`` (GQA/MQA). float16,
+            bfloat16 or float32 (float64 too with ``backend="torch"``), unit stride on the last dim.
+        cu_seqlens_q, cu_seqlens_k: ``(num_seqs + 1,)`` int32 on q's device: 0 first, non-decreasing,
+            ``total_q`` / ``total_k`` last. Zero-length sequences are allowed.
+        max_seqlen_q, max_seqlen_k: ints at least the longest query / key sequence.
+        causal, window, sink_tokens, sinks, scale, backend: as in :func:`flash_attention`; ``sinks`` is
+            ``(Hq,)`` and joins every row's softmax denominator in every sequence.
+        return_lse: also return the LSE as ``(Hq, total_q)`` float32 (heads first, flash-attn's varlen
+            convention, not ``(total_q, Hq)``); ``-inf`` (or ``sinks[h]``) for rows that see no key.
+
+    Returns ``out`` ``(total_q, Hq, D)`` contiguous in q's dtype, or ``(out, lse)``. Differentiable in q,
+    k, v, sinks and the LSE. The values of ``cu_seqlens`` are read on the host once (one device sync on
+    CUDA); for now each sequence is one dense call (one kernel launch per sequence and pass).
+    """
+    lengths_q, lengths_k, window, sink_tokens, scale, backend = normalize_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, window=window,
+        sink_tokens=sink_tokens, sinks=sinks, scale=scale, backend=backend)
+    out, lse = _varlen_per_sequence(q, k, v, sinks, lengths_q, lengths_k, causal, window, sink_tokens, scale,
+                                    backend)
     return (out, lse) if return_lse else out
