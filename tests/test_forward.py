@@ -184,9 +184,57 @@ def test_public_entry_point(device):
 
 
 def test_interpreter_config_is_small():
-    cfg = forward_config(64, torch.float32, Pattern.make(100, 100), "cpu")
-    assert set(cfg) == {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+    cfg = forward_config(64, torch.float32, Pattern.make(100, 100), "cpu", group=4)
+    assert set(cfg) == {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "FOLD_SCALE", "TMA", "PACK_GQA",
+                        "TILES_FASTEST", "FLAT"}
     assert cfg["BLOCK_M"] <= 32 and cfg["BLOCK_N"] <= 32
+
+
+@pytest.mark.parametrize("nq", [1, 3, 33, 4096])
+@pytest.mark.parametrize("group", [1, 2, 6, 8, 16])
+@pytest.mark.parametrize("D,window", [(16, (-1, -1)), (64, (127, 0)), (128, (-1, -1)), (256, (-1, -1))])
+def test_cuda_config_packs_whole_heads(nq, group, D, window, monkeypatch):
+    """PACK_GQA divides the group and the tile; decode packs the whole group instead of computing dead rows."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cfg = forward_config(D, torch.bfloat16, Pattern.make(nq, 4096, causal=True, window=window), "cuda", group=group)
+    pack, block_m = cfg["PACK_GQA"], cfg["BLOCK_M"]
+    assert group % pack == 0 and block_m % pack == 0 and block_m >= 16
+    if nq == 1:
+        assert pack == min(group & -group, 8)
+
+
+# every combination of the kernel switches (the interpreter runs tensor descriptors too); scale < 0 takes
+# the unfolded softmax whatever FOLD_SCALE asks
+SWITCHES = [dict(TMA=t, FOLD_SCALE=f, PACK_GQA=p, TILES_FASTEST=p == 4, FLAT=f != t)
+            for t in (False, True) for f in (False, True) for p in (1, 4)]
+
+
+def _switch_id(c):
+    return f"tma{int(c['TMA'])}-fold{int(c['FOLD_SCALE'])}-pack{c['PACK_GQA']}-flat{int(c['FLAT'])}"
+
+
+@pytest.mark.parametrize("switches", SWITCHES, ids=_switch_id)
+@pytest.mark.parametrize("layout,causal,window,sink_tokens,with_sinks,scale", [
+    ("bhnd", True, (-1, -1), 0, True, None),
+    ("packed", False, (9, 2), 3, False, -0.4),
+])
+def test_fp32_switches(switches, layout, causal, window, sink_tokens, with_sinks, scale, device):
+    """PACK_GQA 4 stacks 4 heads of 4 positions each into a 16-row tile, so tiles span heads and rows."""
+    q, k, v = _make(2, 8, 2, 37, 29, 40, torch.float32, layout=layout, device=device)
+    sinks = torch.randn(8, device=device) if with_sinks else None
+    config = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=2, **switches)
+    _check_fp32(q, k, v, sinks=sinks, causal=causal, window=window, sink_tokens=sink_tokens, scale=scale,
+                config=config)
+
+
+@pytest.mark.parametrize("D", [3, 40])
+def test_fp32_tma_misaligned_falls_back(D, device):
+    """Descriptors need 16-byte aligned bases and strides: D = 3 strides and a base one element into a
+    buffer must take the pointer path and still be right."""
+    buf = torch.randn(1, 4, 45, D + 1, device=device)
+    q, k, v = buf[:, :, :33, 1:], buf[:, :2, 5:, 1:], buf[:, 2:, :40, 1:]
+    config = dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2, TMA=True, PACK_GQA=2)
+    _check_fp32(q, k, v, sinks=torch.randn(4, device=device), causal=True, config=config)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -281,6 +329,37 @@ def test_gpu_fp32(tf32, monkeypatch):
     pt_out, _ = _oracle(q, k, v, None, True, (-1, -1), 0, 96 ** -0.5, torch.float16)
     v_ = verdict("out", out, ref_out, pt_out)
     assert v_.ok, str(v_)
+
+
+# each switch on and off at least once, in four compiles per shape
+SWITCHES_GPU = [SWITCHES[0], SWITCHES[3], SWITCHES[4], SWITCHES[7]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("switches", SWITCHES_GPU, ids=_switch_id)
+@pytest.mark.parametrize("D,layout,causal,window,sink_tokens", [
+    (64, "bhnd", True, (-1, -1), 0),
+    (80, "packed", True, (127, 0), 4),   # padded head dim: descriptors zero-fill lanes 80..127
+    (128, "bnhd", False, (-1, -1), 0),
+])
+def test_gpu_switches(switches, D, layout, causal, window, sink_tokens):
+    """Every switch combination on the GPU's own tiles (TMA on Hopper, pointer loads before it)."""
+    q, k, v = _make(2, 8, 2, 1023, 1024, D, torch.bfloat16, "cuda", layout=layout)
+    sinks = torch.randn(8, device="cuda")
+    config = dict(forward_config(D, q.dtype, Pattern.make(1023, 1024, causal=causal, window=window), "cuda",
+                                 group=4), **switches)
+    _check_bar(q, k, v, sinks=sinks, causal=causal, window=window, sink_tokens=sink_tokens, config=config,
+               oracle_dtype=torch.float32)
+
+
+@pytest.mark.gpu
+def test_gpu_tma_misaligned_falls_back():
+    """A base one element into its buffer can't be a tensor descriptor: the pointer path takes it."""
+    buf = torch.randn(2, 8, 300, 65, device="cuda", dtype=torch.bfloat16)
+    q, k, v = buf[:, :, :, 1:], buf[:, :2, :, 1:], buf[:, 2:4, :, 1:]
+    _check_bar(q, k, v, sinks=torch.randn(8, device="cuda"), causal=True, oracle_dtype=torch.float32,
+               config=dict(forward_config(64, q.dtype, Pattern.make(300, 300, causal=True), "cuda", group=4),
+                           TMA=True))
 
 
 @pytest.mark.gpu

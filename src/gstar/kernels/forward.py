@@ -1,11 +1,18 @@
-"""The Triton forward kernel: one program per (Q tile, query head, batch), online softmax over KV blocks.
+"""The Triton forward kernel: one program per (Q tile, query heads, batch), online softmax over KV blocks.
 
 Each program loads its ``(BLOCK_M, D)`` Q tile once and walks the KV blocks that
 :func:`gstar.pattern.kv_block_table` lists for it, in four ranges: sink-token blocks, the leading boundary
 of the window band, the fully visible interior, and the trailing boundary. Only boundary blocks evaluate
 the visibility rule; the interior runs without any mask arithmetic. The softmax runs in base 2 with
-``scale * log2(e)`` folded into one multiply; a learned sink starts each row's running max (and its running
-sum at 1), so it costs nothing inside the loop.
+``scale * log2(e)`` folded into one FMA per score; a learned sink starts each row's running max (and its
+running sum at 1), so it costs nothing inside the loop.
+
+Switches, chosen per call by :func:`gstar.kernels.configs.forward_config` and timed by
+``scripts/tune-forward``: ``PACK_GQA`` stacks several query heads of one GQA group in a tile so each K/V
+block is loaded once for all of them; ``TMA`` moves Q, K, V and the output through tensor descriptors on
+Hopper (falling back to pointer loads where strides or base are not 16-byte aligned); ``FOLD_SCALE``
+(positive scales only) takes the max over raw scores; ``TILES_FASTEST`` reorders the grid; ``FLAT`` walks
+the window band in one masked loop (narrow windows).
 """
 
 from __future__ import annotations
@@ -125,8 +132,9 @@ def _forward_kernel(
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, EVEN_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr,
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
-        HAS_SINKS: tl.constexpr, FOLD_SCALE: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr):
-    """Grid ``(Hq // PACK, cdiv(Nq, BLOCK_M // PACK), B)``.
+        HAS_SINKS: tl.constexpr, FOLD_SCALE: tl.constexpr, USE_TMA: tl.constexpr, TILES_FASTEST: tl.constexpr,
+        FLAT: tl.constexpr, PRECISION: tl.constexpr):
+    """Grid ``(Hq // PACK, cdiv(Nq, BLOCK_M // PACK), B)``, its first two axes swapped if TILES_FASTEST.
 
     Q, Out: (B, Hq, Nq, HEAD_DIM); K, V: (B, Hkv, Nk, HEAD_DIM), Hkv = Hq // group; all with unit last
     stride. With ``USE_TMA`` the four are tensor descriptors over those shapes, with blocks
@@ -137,12 +145,15 @@ def _forward_kernel(
     EVEN_D: HEAD_DIM == D_PAD, so that whole blocks load without any mask.
     PACK: query heads of one GQA group (PACK divides group) stacked in one tile of BLOCK_M rows, PACK
     heads times BLOCK_M // PACK positions: each K/V block is loaded once for all of them.
+    FLAT: walk the window band in one loop with every block masked, instead of masked / unmasked / masked.
     """
     ROWS: tl.constexpr = BLOCK_M // PACK
-    # Heads vary fastest, so the query heads of a GQA group run side by side and share K/V through L2;
+    # Heads vary fastest, so the query heads of a GQA group run side by side and share K/V through L2
+    # (or tiles, with TILES_FASTEST, so that programs running together read different K/V blocks);
     # tiles run last to first, so under a causal mask the longest rows start first and short ones fill in.
-    h0 = tl.program_id(0) * PACK  # first query head of this tile
-    tile = tl.num_programs(1) - 1 - tl.program_id(1)
+    HEAD_AXIS: tl.constexpr = 1 if TILES_FASTEST else 0
+    h0 = tl.program_id(HEAD_AXIS) * PACK  # first query head of this tile
+    tile = tl.num_programs(1 - HEAD_AXIS) - 1 - tl.program_id(1 - HEAD_AXIS)
     b32 = tl.program_id(2)  # descriptor coordinates are 32-bit; pointer offsets are 64-bit from here on,
     b = b32.to(tl.int64)  # since one head's offset may pass 2^31
     h_kv32 = h0 // group
@@ -156,13 +167,13 @@ def _forward_kernel(
     rows = row_start + offs_m % ROWS  # (BLOCK_M,) its position in the sequence
     row_ok = rows < Nq
     d_ok = offs_d < HEAD_DIM  # (D_PAD,) all true unless D was padded to a power of two
-    q_rows = b * stride_qb + heads.to(tl.int64) * stride_qh + rows.to(tl.int64) * stride_qm  # (BLOCK_M,)
 
     if USE_TMA:
         q = Q.load([b32, h0, row_start, 0]).reshape(BLOCK_M, D_PAD)  # zero past Nq and HEAD_DIM
         k_ptrs = K
         v_ptrs = V
     else:
+        q_rows = b * stride_qb + heads.to(tl.int64) * stride_qh + rows.to(tl.int64) * stride_qm  # (BLOCK_M,)
         q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :],
                     other=0.0)  # (BLOCK_M, D_PAD)
         k_ptrs = K + b * stride_kb + h_kv * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None]  # K^T
@@ -192,18 +203,24 @@ def _forward_kernel(
                                        offs_n, d_ok, lo_key, hi_key, 0, sink_end, qk_scale, Nk, sink_tokens,
                                        BLOCK_N, D_PAD, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True,
                                        may_be_empty, FOLD_SCALE, USE_TMA, PRECISION)
+    if FLAT:
+        # one pipelined loop over the whole band, every block masked: a narrow window's few blocks per
+        # range would otherwise spend most of their time filling and draining three short pipelines
+        full_start = band_end
+        full_end = band_end
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, K, V, k_ptrs, v_ptrs, stride_kn, stride_vn, b32, h_kv32,
                                    offs_n, d_ok, lo_key, hi_key, band_start, full_start, qk_scale, Nk, sink_tokens,
                                    BLOCK_N, D_PAD, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True,
                                    may_be_empty, FOLD_SCALE, USE_TMA, PRECISION)
-    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, K, V, k_ptrs, v_ptrs, stride_kn, stride_vn, b32, h_kv32,
-                                   offs_n, d_ok, lo_key, hi_key, full_start, full_end, qk_scale, Nk, sink_tokens,
-                                   BLOCK_N, D_PAD, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, False,
-                                   may_be_empty, FOLD_SCALE, USE_TMA, PRECISION)
-    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, K, V, k_ptrs, v_ptrs, stride_kn, stride_vn, b32, h_kv32,
-                                   offs_n, d_ok, lo_key, hi_key, full_end, band_end, qk_scale, Nk, sink_tokens,
-                                   BLOCK_N, D_PAD, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True,
-                                   may_be_empty, FOLD_SCALE, USE_TMA, PRECISION)
+    if not FLAT:
+        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, K, V, k_ptrs, v_ptrs, stride_kn, stride_vn, b32, h_kv32,
+                                       offs_n, d_ok, lo_key, hi_key, full_start, full_end, qk_scale, Nk,
+                                       sink_tokens, BLOCK_N, D_PAD, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
+                                       False, may_be_empty, FOLD_SCALE, USE_TMA, PRECISION)
+        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, K, V, k_ptrs, v_ptrs, stride_kn, stride_vn, b32, h_kv32,
+                                       offs_n, d_ok, lo_key, hi_key, full_end, band_end, qk_scale, Nk,
+                                       sink_tokens, BLOCK_N, D_PAD, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
+                                       True, may_be_empty, FOLD_SCALE, USE_TMA, PRECISION)
 
     # rows that saw no key (and no sink) have l = 0 and acc = 0: divide by 1 to store exact zeros
     empty = l_i == 0.0
@@ -226,6 +243,7 @@ def _tma_ok(*tensors) -> bool:
 
 
 def _descriptor(t, block_shape):
+    """A descriptor over all of ``t`` (its own shape and strides) that moves ``block_shape`` tiles."""
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block_shape)
 
 
@@ -261,6 +279,8 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
     else:
         q_arg, k_arg, v_arg, out_arg = q, k, v, out
     grid = (Hq // pack, triton.cdiv(Nq, rows), B)
+    if cfg["TILES_FASTEST"]:
+        grid = (grid[1], grid[0], B)
     _forward_kernel[grid](
         q_arg, k_arg, v_arg, sinks, out_arg, lse, table,
         q.stride(0), q.stride(1), q.stride(2),
@@ -272,6 +292,7 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
         HEAD_DIM=D, D_PAD=d_pad, EVEN_D=d_pad == D, BLOCK_M=block_m, BLOCK_N=block_n, PACK=pack,
         HAS_LEFT=pattern.left >= 0, HAS_RIGHT=pattern.right >= 0, HAS_SINK_TOKENS=pattern.sink_tokens > 0,
         HAS_SINKS=sinks is not None, FOLD_SCALE=bool(cfg["FOLD_SCALE"]) and scale > 0, USE_TMA=use_tma,
+        TILES_FASTEST=bool(cfg["TILES_FASTEST"]), FLAT=bool(cfg["FLAT"]),
         PRECISION=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out, lse
