@@ -1,19 +1,27 @@
 """The Triton backward: dQ, dK, dV and dsinks, recomputing probabilities from the forward's LSE.
 
-Three kernels, each one family specialised by ``tl.constexpr`` flags:
+Kernels, each one family specialised by ``tl.constexpr`` flags:
 
 * ``_preprocess``: ``delta_i = rowsum(dO_i * O_i) - dLSE_i`` and the LSE in base 2, so that the main
   kernels compute ``P = exp2(s * scale * log2(e) - lse2)`` with one multiply folded into the scores.
-* ``_dkdv``: one program per (KV tile, kv head); it loops over the query heads of its GQA group and the
-  Q tiles that see its keys (:func:`gstar.pattern.q_block_table`), accumulating dK, dV in registers. K/V
-  are never expanded and no two programs write the same element, so there are no atomics.
+* ``_dkdv``: one program per (work item, kv head, head split). A work item is a KV tile, or a chunk of the
+  Q tiles that see it (:func:`gstar.pattern.q_block_table`), and a head split a slice of the kv head's
+  GQA group; the program keeps K, V and the dK, dV accumulators on chip while it walks those (head,
+  Q tile) pairs. K/V are never expanded. :func:`split_plan` picks the split from the SM count: with few kv
+  heads (MQA: 64 KV tiles on 132 SMs) or one KV tile seen by every Q tile (sink tokens, causal starts)
+  a single program per tile would leave SMs idle behind one long program.
+* ``_sum_partials``: when work is split, each program writes float32 partials and this kernel adds them,
+  per KV tile, in a fixed order. Without a split ``_dkdv`` writes dK, dV directly.
 * ``_dq``: one program per (Q tile, query head), visiting the KV blocks of
   :func:`gstar.pattern.kv_block_table`.
 
-Each tile step is one ``@triton.jit`` helper with a ``MASKED`` flag: the boundary tiles evaluate the
-visibility rule of :mod:`gstar.pattern` in-kernel, interior tiles skip it. Loop order is fixed, so the
-gradients are bitwise reproducible. Memory is linear in N: besides the gradients, only ``delta`` and the
-base-2 LSE, both ``(B, Hq, Nq)`` float32.
+Each tile step is one ``@triton.jit`` helper with a ``MASKED`` flag. By default a program walks masked
+boundary ranges and an unmasked interior as separate loops (interior tiles skip the visibility rule of
+:mod:`gstar.pattern`); with ``FLAT`` it walks all its tiles as one masked loop, which narrow windows
+prefer (their ranges are one or two tiles long, too short to pipeline). No atomics and a fixed loop and
+summation order: the gradients are bitwise reproducible. Memory is linear in N: besides the gradients,
+``delta`` and the base-2 LSE, both ``(B, Hq, Nq)`` float32, and the partials, at most
+``_MAX_PARTIAL_RATIO`` times dK + dV's size in float32 (and only when the grid is small).
 """
 
 from __future__ import annotations
@@ -160,9 +168,9 @@ def _dkdv(
     stride_dvb, stride_dvh, stride_dvn,     # DV: (B, Hkv, Nk, D) (unused if SPLIT)
     Hq, nq, nk, head_splits, n_items,       # LSE2, DELTA: (B, Hq, Nq) float32; WORK: (n_items, 5) int32
     left, right, sink_tokens, scale, qk_scale,
-    SPLIT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
-    PRECISION: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    SPLIT: tl.constexpr, FLAT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SINK_TOKENS: tl.constexpr, PRECISION: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
 ):
     """Grid ``(n_items, Hkv * head_splits, B)``: dK, dV of one KV tile of one kv head, summed over
     ``GROUP // head_splits`` query heads and the Q tiles of one work item (see :func:`split_plan`).
@@ -189,24 +197,35 @@ def _dkdv(
     v = _load_rows(V + b * stride_vb + hkv * stride_vh, offs_n, nk, stride_vn, offs_d, True, HEAD_DIM, D_PAD)
     dk = tl.zeros((BLOCK_N, D_PAD), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, D_PAD), dtype=tl.float32)
-    for g in range(split * heads, split * heads + heads):
-        h = hkv * GROUP + g
-        q_head = Q + b * stride_qb + h * stride_qh
-        do_head = DO + b * stride_dob + h * stride_doh
-        lse2_head = LSE2 + (b * Hq + h) * nq
-        delta_head = DELTA + (b * Hq + h) * nq
-        for m in range(m_start, m_full_start):
+    if FLAT:  # one pipelined loop over (head, Q tile) pairs, every tile masked
+        n_m = m_end - m_start
+        for it in range(0, heads * n_m):
+            h = hkv * GROUP + split * heads + it // n_m
+            m = m_start + it % n_m
+            q_head, do_head = Q + b * stride_qb + h * stride_qh, DO + b * stride_dob + h * stride_doh
+            lse2_head, delta_head = LSE2 + (b * Hq + h) * nq, DELTA + (b * Hq + h) * nq
             dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, m * BLOCK_M, stride_qn,
                                 stride_don, offs_n, offs_d, nq, nk, left, right, sink_tokens, qk_scale, True,
                                 HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, BLOCK_M, HEAD_DIM, D_PAD, PRECISION)
-        for m in range(m_full_start, m_full_end):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, m * BLOCK_M, stride_qn,
-                                stride_don, offs_n, offs_d, nq, nk, left, right, sink_tokens, qk_scale, False,
-                                HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, BLOCK_M, HEAD_DIM, D_PAD, PRECISION)
-        for m in range(m_full_end, m_end):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, m * BLOCK_M, stride_qn,
-                                stride_don, offs_n, offs_d, nq, nk, left, right, sink_tokens, qk_scale, True,
-                                HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, BLOCK_M, HEAD_DIM, D_PAD, PRECISION)
+    else:
+        for g in range(split * heads, split * heads + heads):
+            h = hkv * GROUP + g
+            q_head = Q + b * stride_qb + h * stride_qh
+            do_head = DO + b * stride_dob + h * stride_doh
+            lse2_head = LSE2 + (b * Hq + h) * nq
+            delta_head = DELTA + (b * Hq + h) * nq
+            for m in range(m_start, m_full_start):
+                dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, m * BLOCK_M, stride_qn,
+                                    stride_don, offs_n, offs_d, nq, nk, left, right, sink_tokens, qk_scale, True,
+                                    HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, BLOCK_M, HEAD_DIM, D_PAD, PRECISION)
+            for m in range(m_full_start, m_full_end):
+                dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, m * BLOCK_M, stride_qn,
+                                    stride_don, offs_n, offs_d, nq, nk, left, right, sink_tokens, qk_scale, False,
+                                    HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, BLOCK_M, HEAD_DIM, D_PAD, PRECISION)
+            for m in range(m_full_end, m_end):
+                dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, m * BLOCK_M, stride_qn,
+                                    stride_don, offs_n, offs_d, nq, nk, left, right, sink_tokens, qk_scale, True,
+                                    HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, BLOCK_M, HEAD_DIM, D_PAD, PRECISION)
     if SPLIT:
         # pid_h = hkv * head_splits + split, so this is partial [b, hkv, split, item]
         slot = ((b * tl.num_programs(1) + pid_h) * n_items + item) * (BLOCK_N * D_PAD)
@@ -287,9 +306,9 @@ def _dq(
     stride_dqb, stride_dqh, stride_dqn,     # DQ: (B, Hq, Nq, D)
     Hq, nq, nk,                             # LSE2, DELTA: (B, Hq, Nq) float32; KVTABLE: (cdiv(Nq, BLOCK_M), 5) int32
     left, right, sink_tokens, scale, qk_scale,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr, PRECISION: tl.constexpr,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
+    FLAT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
+    PRECISION: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
 ):
     """Grid ``(cdiv(Nq, BLOCK_M), Hq, B)``: dQ of one Q tile of one query head."""
     pid_m = tl.program_id(0)
@@ -313,23 +332,100 @@ def _dq(
     full_end = tl.load(ranges + _KV_FULL_END)
     band_end = tl.load(ranges + _KV_BAND_END)
     dq = tl.zeros((BLOCK_M, D_PAD), dtype=tl.float32)
-    for n in range(0, sink_end):
-        dq = _dq_step(dq, q, do, lse2, delta, k_head, v_head, n * BLOCK_N, stride_kn, stride_vn, offs_m, offs_d,
-                      nq, nk, left, right, sink_tokens, qk_scale, True, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
-                      BLOCK_N, HEAD_DIM, D_PAD, PRECISION)
-    for n in range(band_start, full_start):
-        dq = _dq_step(dq, q, do, lse2, delta, k_head, v_head, n * BLOCK_N, stride_kn, stride_vn, offs_m, offs_d,
-                      nq, nk, left, right, sink_tokens, qk_scale, True, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
-                      BLOCK_N, HEAD_DIM, D_PAD, PRECISION)
-    for n in range(full_start, full_end):
-        dq = _dq_step(dq, q, do, lse2, delta, k_head, v_head, n * BLOCK_N, stride_kn, stride_vn, offs_m, offs_d,
-                      nq, nk, left, right, sink_tokens, qk_scale, False, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
-                      BLOCK_N, HEAD_DIM, D_PAD, PRECISION)
-    for n in range(full_end, band_end):
-        dq = _dq_step(dq, q, do, lse2, delta, k_head, v_head, n * BLOCK_N, stride_kn, stride_vn, offs_m, offs_d,
-                      nq, nk, left, right, sink_tokens, qk_scale, True, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
-                      BLOCK_N, HEAD_DIM, D_PAD, PRECISION)
+    if FLAT:  # one pipelined loop over the sink blocks then the band, every block masked
+        for i in range(0, sink_end + band_end - band_start):
+            n = tl.where(i < sink_end, i, band_start + i - sink_end)
+            dq = _dq_step(dq, q, do, lse2, delta, k_head, v_head, n * BLOCK_N, stride_kn, stride_vn, offs_m,
+                          offs_d, nq, nk, left, right, sink_tokens, qk_scale, True, HAS_LEFT, HAS_RIGHT,
+                          HAS_SINK_TOKENS, BLOCK_N, HEAD_DIM, D_PAD, PRECISION)
+    else:
+        for n in range(0, sink_end):
+            dq = _dq_step(dq, q, do, lse2, delta, k_head, v_head, n * BLOCK_N, stride_kn, stride_vn, offs_m, offs_d,
+                          nq, nk, left, right, sink_tokens, qk_scale, True, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
+                          BLOCK_N, HEAD_DIM, D_PAD, PRECISION)
+        for n in range(band_start, full_start):
+            dq = _dq_step(dq, q, do, lse2, delta, k_head, v_head, n * BLOCK_N, stride_kn, stride_vn, offs_m, offs_d,
+                          nq, nk, left, right, sink_tokens, qk_scale, True, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
+                          BLOCK_N, HEAD_DIM, D_PAD, PRECISION)
+        for n in range(full_start, full_end):
+            dq = _dq_step(dq, q, do, lse2, delta, k_head, v_head, n * BLOCK_N, stride_kn, stride_vn, offs_m, offs_d,
+                          nq, nk, left, right, sink_tokens, qk_scale, False, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
+                          BLOCK_N, HEAD_DIM, D_PAD, PRECISION)
+        for n in range(full_end, band_end):
+            dq = _dq_step(dq, q, do, lse2, delta, k_head, v_head, n * BLOCK_N, stride_kn, stride_vn, offs_m, offs_d,
+                          nq, nk, left, right, sink_tokens, qk_scale, True, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
+                          BLOCK_N, HEAD_DIM, D_PAD, PRECISION)
     _store_rows(DQ + b * stride_dqb + h * stride_dqh, offs_m, nq, stride_dqn, offs_d, dq * scale, HEAD_DIM)
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device: str) -> int:
+    return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+
+
+def _auto_split(counts: list[int], group: int, programs: int, sms: int) -> tuple[int, int]:
+    """``(head_splits, q_chunk)`` for a KV tile list with ``counts[t]`` Q tiles each; ``programs`` kv heads
+    times batch. Aims every program at about ``1 / (2 * sms)`` of the steps (two waves), splitting the group
+    first by how long a typical KV tile is, then the Q range of tiles far longer than that (a sink-token
+    tile, the first tiles of a causal pattern), within a bounded partial buffer."""
+    longest = max(counts)
+    busy = sorted(c for c in counts if c)
+    steps = sum(busy) * group * programs
+    if sms == 0 or steps < 2 * sms * _MIN_STEPS:  # tiny problems: the partial sum's launch would cost more
+        return 1, max(1, longest)
+    target = max(_MIN_STEPS, -(-steps // (2 * sms)))
+    typical = busy[len(busy) // 2]
+    while True:
+        heads = max(d for d in range(1, group + 1) if group % d == 0 and (d == 1 or d * typical <= target))
+        q_splits = 1
+        if heads * longest > 2 * target:
+            q_splits = min(_MAX_Q_SPLITS, -(-heads * longest // target))
+        chunk = -(-longest // q_splits)
+        if heads == group and q_splits == 1:
+            return 1, longest
+        items = sum(max(1, -(-c // chunk)) for c in counts)
+        if group // heads * items <= _MAX_PARTIAL_RATIO * len(counts):
+            return group // heads, chunk
+        target *= 2
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(pattern: Pattern, block_m: int, block_n: int, group: int, programs: int, sms: int, head_splits: int,
+          q_chunk: int, device: str):
+    ranges = q_block_table(pattern, block_m, block_n).tolist()                    # (n tiles, 4)
+    counts = [r[Q_END] - r[Q_START] for r in ranges]
+    auto_heads, auto_chunk = _auto_split(counts, group, programs, sms)
+    head_splits, q_chunk = head_splits or auto_heads, q_chunk or auto_chunk
+    if group % head_splits:
+        raise ValueError(f"head_splits={head_splits} must divide the GQA group ({group})")
+    items, first = [], [0]
+    for tile, r in enumerate(ranges):
+        start, full_start, full_end, end = r[Q_START], r[Q_FULL_START], r[Q_FULL_END], r[Q_END]
+        lo = start
+        while True:  # one item per chunk of q_chunk Q tiles, at least one per tile (it zeroes unseen keys)
+            hi = min(end, lo + q_chunk)
+            items.append((tile, lo, min(max(full_start, lo), hi), min(max(full_end, lo), hi), hi))
+            lo = hi
+            if lo >= end:
+                break
+        first.append(len(items))
+    work = torch.tensor(items, dtype=torch.int32).to(device)                      # (n items, 5)
+    return head_splits, work, torch.tensor(first, dtype=torch.int32).to(device)
+
+
+def split_plan(pattern: Pattern, block_m: int, block_n: int, group: int, programs: int, device, *,
+               head_splits: int = 0, q_chunk: int = 0) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """How ``_dkdv`` divides its work: ``(head_splits, work, first)``, cached per arguments.
+
+    Each KV tile of ``block_n`` keys (seen by the Q tiles of :func:`gstar.pattern.q_block_table`) becomes
+    one or more work items of at most ``q_chunk`` Q tiles, and each GQA group of ``group`` query heads
+    ``head_splits`` slices; ``programs`` is kv heads times batch. ``work``: int32 ``(n items, 5)`` on
+    ``device`` (columns ``W_TILE, W_START, W_FULL_START, W_FULL_END, W_END``); ``first``: int32
+    ``(n tiles + 1,)``, tile ``t``'s items are ``first[t] .. first[t + 1] - 1``. Zero arguments are chosen
+    from the device's SM count (never split on CPU); one item per tile and one split means no partials.
+    """
+    sms = _sm_count(str(device)) if torch.device(device).type == "cuda" else 0
+    return _plan(pattern, block_m, block_n, group, programs, sms, head_splits, q_chunk, str(device))
 
 
 def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale: float, *,
@@ -343,10 +439,12 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
         dlse: ``None`` or ``(B, Hq, Nq)`` gradient of the returned LSE (any strides and float dtype).
         sinks: ``None`` or ``(Hq,)`` float32 learned sink logits.
         pattern: the normalised :class:`gstar.pattern.Pattern`; scale: multiplies ``q . k``.
-        config: a :class:`BackwardConfig` overriding :func:`backward_config` (tests use other tiles).
+        config: a :class:`BackwardConfig` overriding :func:`backward_config` (tests use other tiles, splits
+            and loop forms; scripts/tune-backward sweeps them).
 
     Returns ``(dq, dk, dv, dsinks)``: dq like q, dk like k, dv like v (dtype and memory layout), dsinks
-    ``(Hq,)`` float32 or ``None``. Bitwise deterministic: no atomics, fixed loop order.
+    ``(Hq,)`` float32 or ``None``. Bitwise deterministic on one device (the split depends on its SM
+    count): no atomics, fixed loop and summation order.
     """
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -370,26 +468,42 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
         HAS_DLSE=dlse is not None, BLOCK_M=rows, HEAD_DIM=D, D_PAD=d_pad, num_warps=4,
     )
 
+    group = Hq // Hkv
     shared = dict(
         HAS_LEFT=pattern.left >= 0, HAS_RIGHT=pattern.right >= 0, HAS_SINK_TOKENS=pattern.sink_tokens > 0,
-        PRECISION=dot_precision(q.dtype), GROUP=Hq // Hkv, HEAD_DIM=D, D_PAD=d_pad,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PRECISION=dot_precision(q.dtype), GROUP=group, HEAD_DIM=D, D_PAD=d_pad, FLAT=cfg.flat,
     )
     runtime = (pattern.left, pattern.right, pattern.sink_tokens, scale, scale * LOG2E)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
 
     dk, dv = outputs.empty_like(k), outputs.empty_like(v)
-    q_table = q_block_table(pattern, cfg.dkdv_m, cfg.dkdv_n, q.device)             # (cdiv(Nk, n), 4)
-    _dkdv[(triton.cdiv(Nk, cfg.dkdv_n), Hkv, B)](
-        q, k, v, dout, lse2, delta, dk, dv, q_table, *strides, *dk.stride()[:3], *dv.stride()[:3],
-        Hq, Nq, Nk, *runtime, BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, **shared,
+    head_splits, work, first = split_plan(pattern, cfg.dkdv_m, cfg.dkdv_n, group, Hkv * B, q.device,
+                                          head_splits=cfg.head_splits, q_chunk=cfg.q_chunk)
+    n_tiles, n_items = first.shape[0] - 1, work.shape[0]
+    split = head_splits > 1 or n_items > n_tiles
+    pk, pv = dk, dv
+    if split:
+        parts = (B, Hkv, head_splits, n_items, cfg.dkdv_n, d_pad)
+        pk = outputs.empty(parts, dtype=torch.float32, device=q.device)
+        pv = outputs.empty(parts, dtype=torch.float32, device=q.device)
+    _dkdv[(n_items, Hkv * head_splits, B)](
+        q, k, v, dout, lse2, delta, pk, pv, work, *strides, *dk.stride()[:3], *dv.stride()[:3],
+        Hq, Nq, Nk, head_splits, n_items, *runtime, SPLIT=split, BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n,
+        num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **shared,
     )
+    if split:
+        _sum_partials[(n_tiles, Hkv, B)](
+            pk, pv, dk, dv, first, *dk.stride()[:3], *dv.stride()[:3], Hkv, Nk, head_splits, n_items,
+            BLOCK_N=cfg.dkdv_n, ROWS=min(cfg.dkdv_n, max(16, 2048 // d_pad)), HEAD_DIM=D, D_PAD=d_pad,
+            num_warps=4,
+        )
 
     dq = outputs.empty_like(q)
     kv_table = kv_block_table(pattern, cfg.dq_m, cfg.dq_n, q.device)               # (cdiv(Nq, m), 5)
     _dq[(triton.cdiv(Nq, cfg.dq_m), Hq, B)](
         q, k, v, dout, lse2, delta, dq, kv_table, *strides, *dq.stride()[:3],
-        Hq, Nq, Nk, *runtime, BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n, **shared,
+        Hq, Nq, Nk, *runtime, BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n, num_warps=cfg.dq_warps,
+        num_stages=cfg.dq_stages, **shared,
     )
 
     dsinks = None

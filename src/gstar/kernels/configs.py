@@ -37,11 +37,15 @@ _FORWARD_INTERPRETER = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stage
 # Kernel switches (scripts/tune-forward times each against its old path). FOLD_SCALE: one FMA per score
 # in the softmax instead of a multiply and a subtract. TMA: tensor-descriptor loads/stores on Hopper.
 # PACK_GQA: query heads of one GQA group per tile, so each K/V block is loaded once for the whole pack;
-# each head keeps at least _PACK_MIN_ROWS positions of the tile.
+# each head keeps at least _PACK_MIN_ROWS positions of the tile. TILES_FASTEST: the grid's fastest axis
+# walks Q tiles instead of heads. FLAT (narrow windows only): one masked loop over the band instead of
+# three short ones, each of which fills and drains the software pipeline.
 _FORWARD_FOLD_SCALE = True
 _FORWARD_TMA = True
 _FORWARD_PACK_GQA = 8
 _PACK_MIN_ROWS = 16
+_FORWARD_TILES_FASTEST = False
+_FORWARD_FLAT_NARROW = True
 
 
 def forward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device, group: int = 1) -> dict:
@@ -49,11 +53,13 @@ def forward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device, 
 
     head_dim: D (1..256); dtype: q's dtype; pattern: the normalised attention pattern; device: q's device;
     group: Hq // Hkv. Returns ``{"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}`` (BLOCK_M counts tile
-    rows over all packed heads) plus the kernel switches ``"FOLD_SCALE"`` (bool), ``"TMA"`` (bool) and
-    ``"PACK_GQA"`` (query heads per tile, a power of two dividing ``group``).
+    rows over all packed heads) plus the kernel switches ``"FOLD_SCALE"`` (bool), ``"TMA"`` (bool),
+    ``"PACK_GQA"`` (query heads per tile, a power of two dividing ``group``), ``"TILES_FASTEST"`` and
+    ``"FLAT"`` (bool).
     """
     if torch.device(device).type != "cuda":
-        return dict(_FORWARD_INTERPRETER, FOLD_SCALE=_FORWARD_FOLD_SCALE, TMA=False, PACK_GQA=1)
+        return dict(_FORWARD_INTERPRETER, FOLD_SCALE=_FORWARD_FOLD_SCALE, TMA=False, PACK_GQA=1,
+                    TILES_FASTEST=_FORWARD_TILES_FASTEST, FLAT=False)
     table = _FORWARD_FP32 if dtype == torch.float32 else _FORWARD_16BIT
     block_m, block_n, num_warps, num_stages = next(row[1:] for row in table if head_dim <= row[0])
     narrow = 0 <= pattern.left and 0 <= pattern.right and pattern.left + pattern.right + 1 <= _NARROW_WINDOW
@@ -65,11 +71,18 @@ def forward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device, 
         block_n = min(block_n, 32)  # narrow windows: smaller KV blocks waste fewer masked keys
     if torch.cuda.get_device_capability(device)[0] < 9:
         num_stages = min(num_stages, 2)  # pre-Hopper parts have less shared memory per SM
+    # a head's rows of a tile need not outnumber the queries: decode (Nq = 1) packs a whole group
+    min_rows = min(_PACK_MIN_ROWS, triton.next_power_of_2(pattern.nq))
     pack = 1
-    while pack * 2 <= _FORWARD_PACK_GQA and group % (pack * 2) == 0 and block_m // (pack * 2) >= _PACK_MIN_ROWS:
+    while pack * 2 <= _FORWARD_PACK_GQA and group % (pack * 2) == 0 and block_m // (pack * 2) >= min_rows:
         pack *= 2
+    if pattern.nq < _PACK_MIN_ROWS:
+        block_m = max(16, min(block_m, pack * min_rows))  # tl.dot needs 16 rows
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages,
-            "FOLD_SCALE": _FORWARD_FOLD_SCALE, "TMA": _FORWARD_TMA, "PACK_GQA": pack}
+            # float32 dots read operands from shared memory through FMA units: descriptor-loaded tiles
+            # then spill registers (ptxas, sm_90), where pointer loads don't
+            "FOLD_SCALE": _FORWARD_FOLD_SCALE, "TMA": _FORWARD_TMA and dtype != torch.float32, "PACK_GQA": pack,
+            "TILES_FASTEST": _FORWARD_TILES_FASTEST, "FLAT": narrow and _FORWARD_FLAT_NARROW}
 
 
 def tma_supported(device) -> bool:
@@ -103,7 +116,9 @@ class BackwardConfig:
     ``head_splits`` (a divisor of the GQA group) and ``q_chunk`` (Q tiles per dK/dV program) split the dK/dV
     work over more programs whose float32 partial sums are added in a fixed order; 0 lets
     :func:`gstar.kernels.backward.split_plan` choose from the SM count (1 and unbounded when the grid is
-    already large).
+    already large). ``flat`` runs each program's tiles as one pipelined loop with every tile masked,
+    instead of one loop per (head, masked / unmasked range): narrow windows have few tiles per range, and
+    short loops spend most of their time filling and draining the pipeline.
     """
 
     dkdv_m: int
@@ -116,16 +131,21 @@ class BackwardConfig:
     dq_stages: int = 1
     head_splits: int = 0
     q_chunk: int = 0
+    flat: bool = False
 
 
 # 16-bit rows: (largest padded head dim, narrow band only, dkdv (m, n, warps, stages), dq (m, n, warps, stages));
-# the first row that matches wins. dK/dV keep two (dkdv_n, D) float32 accumulators and the K/V tile of a
-# program resident, so the key tile is as long as registers allow (128 keys at 8 warps is 64 accumulator
-# registers per thread per 64 head-dim columns) and the Q tile short; dQ is the mirror image.
+# the first row that matches wins. dK/dV keep two (dkdv_n, D_PAD) float32 accumulators and the K/V tile of
+# a program resident, so the key tile is as long as registers allow and the Q tile short; dQ is the mirror
+# image. Hopper's wgmma gives each warpgroup (4 warps) 64 rows of a product, so 8 warps want 128-row
+# tiles (dkdv_n = 128, dq_m = 128): with 64 rows Triton lays the scores out over both warpgroups twice.
+# Registers are ptxas's for sm_90a (compiled on a CPU box with the launch-time stride divisibility, so
+# loads are pipelined as on the GPU; timings come from scripts/tune-backward): no row spills. At D = 128,
+# dK/dV 32x128 is the only 8-warp tile with 128 keys that does not spill (64x128: 280 bytes, 3 stages 600).
 _BACKWARD_16BIT = (
     (64, True, (64, 64, 4, 2), (64, 64, 4, 2)),     # narrow window: a KV tile is seen by few Q tiles
     (64, False, (64, 128, 8, 2), (128, 64, 8, 2)),
-    (128, False, (64, 128, 8, 2), (128, 64, 8, 2)),
+    (128, False, (32, 128, 8, 2), (128, 64, 8, 2)),
     (256, False, (16, 32, 4, 1), (32, 32, 4, 1)),
 )
 
@@ -147,4 +167,4 @@ def backward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device)
     narrow = 0 <= pattern.left and 0 <= pattern.right and pattern.left + pattern.right + 1 <= 256
     dkdv, dq = next((r[2], r[3]) for r in _BACKWARD_16BIT if d_pad <= r[0] and (narrow or not r[1]))
     return BackwardConfig(dkdv[0], dkdv[1], dq[0], dq[1], dkdv_warps=dkdv[2], dkdv_stages=dkdv[3],
-                          dq_warps=dq[2], dq_stages=dq[3])
+                          dq_warps=dq[2], dq_stages=dq[3], flat=narrow)
