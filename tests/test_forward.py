@@ -185,7 +185,7 @@ def test_public_entry_point(device):
 
 def test_interpreter_config_is_small():
     cfg = forward_config(64, torch.float32, Pattern.make(100, 100), "cpu", group=4)
-    assert set(cfg) == {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "FOLD_SCALE", "TMA", "PACK_GQA",
+    assert set(cfg) == {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "FOLD_SCALE", "PACK_GQA",
                         "TILES_FASTEST", "FLAT"}
     assert cfg["BLOCK_M"] <= 32 and cfg["BLOCK_N"] <= 32
 
@@ -203,14 +203,13 @@ def test_cuda_config_packs_whole_heads(nq, group, D, window, monkeypatch):
         assert pack == min(group & -group, 8)
 
 
-# every combination of the kernel switches (the interpreter runs tensor descriptors too); scale < 0 takes
-# the unfolded softmax whatever FOLD_SCALE asks
-SWITCHES = [dict(TMA=t, FOLD_SCALE=f, PACK_GQA=p, TILES_FASTEST=p == 4, FLAT=f != t)
-            for t in (False, True) for f in (False, True) for p in (1, 4)]
+# every combination of the kernel switches; scale < 0 takes the unfolded softmax whatever FOLD_SCALE asks
+SWITCHES = [dict(FOLD_SCALE=f, PACK_GQA=p, TILES_FASTEST=p == 4, FLAT=flat)
+            for flat in (False, True) for f in (False, True) for p in (1, 4)]
 
 
 def _switch_id(c):
-    return f"tma{int(c['TMA'])}-fold{int(c['FOLD_SCALE'])}-pack{c['PACK_GQA']}-flat{int(c['FLAT'])}"
+    return f"fold{int(c['FOLD_SCALE'])}-pack{c['PACK_GQA']}-flat{int(c['FLAT'])}"
 
 
 @pytest.mark.parametrize("switches", SWITCHES, ids=_switch_id)
@@ -225,16 +224,6 @@ def test_fp32_switches(switches, layout, causal, window, sink_tokens, with_sinks
     config = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=2, **switches)
     _check_fp32(q, k, v, sinks=sinks, causal=causal, window=window, sink_tokens=sink_tokens, scale=scale,
                 config=config)
-
-
-@pytest.mark.parametrize("D", [3, 40])
-def test_fp32_tma_misaligned_falls_back(D, device):
-    """Descriptors need 16-byte aligned bases and strides: D = 3 strides and a base one element into a
-    buffer must take the pointer path and still be right."""
-    buf = torch.randn(1, 4, 45, D + 1, device=device)
-    q, k, v = buf[:, :, :33, 1:], buf[:, :2, 5:, 1:], buf[:, 2:, :40, 1:]
-    config = dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2, TMA=True, PACK_GQA=2)
-    _check_fp32(q, k, v, sinks=torch.randn(4, device=device), causal=True, config=config)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -339,27 +328,17 @@ SWITCHES_GPU = [SWITCHES[0], SWITCHES[3], SWITCHES[4], SWITCHES[7]]
 @pytest.mark.parametrize("switches", SWITCHES_GPU, ids=_switch_id)
 @pytest.mark.parametrize("D,layout,causal,window,sink_tokens", [
     (64, "bhnd", True, (-1, -1), 0),
-    (80, "packed", True, (127, 0), 4),   # padded head dim: descriptors zero-fill lanes 80..127
+    (80, "packed", True, (127, 0), 4),   # padded head dim
     (128, "bnhd", False, (-1, -1), 0),
 ])
 def test_gpu_switches(switches, D, layout, causal, window, sink_tokens):
-    """Every switch combination on the GPU's own tiles (TMA on Hopper, pointer loads before it)."""
+    """Every switch combination on the GPU's own tiles."""
     q, k, v = _make(2, 8, 2, 1023, 1024, D, torch.bfloat16, "cuda", layout=layout)
     sinks = torch.randn(8, device="cuda")
     config = dict(forward_config(D, q.dtype, Pattern.make(1023, 1024, causal=causal, window=window), "cuda",
                                  group=4), **switches)
     _check_bar(q, k, v, sinks=sinks, causal=causal, window=window, sink_tokens=sink_tokens, config=config,
                oracle_dtype=torch.float32)
-
-
-@pytest.mark.gpu
-def test_gpu_tma_misaligned_falls_back():
-    """A base one element into its buffer can't be a tensor descriptor: the pointer path takes it."""
-    buf = torch.randn(2, 8, 300, 65, device="cuda", dtype=torch.bfloat16)
-    q, k, v = buf[:, :, :, 1:], buf[:, :2, :, 1:], buf[:, 2:4, :, 1:]
-    _check_bar(q, k, v, sinks=torch.randn(8, device="cuda"), causal=True, oracle_dtype=torch.float32,
-               config=dict(forward_config(64, q.dtype, Pattern.make(300, 300, causal=True), "cuda", group=4),
-                           TMA=True))
 
 
 @pytest.mark.gpu

@@ -15,10 +15,10 @@ import triton
 from ..pattern import Pattern
 
 # (largest head dim, BLOCK_M, BLOCK_N, num_warps, num_stages); the first row whose head dim fits wins.
-# D <= 128 rows are the fastest of a 28-config sweep (scripts/tune-forward, H200, see benchmarks/NOTES.md);
-# the D = 256 row is checked by compiling for sm_90 only (no register spills).
+# D <= 128 rows are the fastest of scripts/tune-forward's sweeps (H200, see benchmarks/NOTES.md; D <= 64
+# with PACK_GQA); the D = 256 row is checked by compiling for sm_90 only (no register spills).
 _FORWARD_16BIT = (
-    (64, 128, 64, 8, 3),
+    (64, 128, 64, 4, 3),
     (128, 128, 128, 8, 3),
     (256, 128, 32, 8, 2),
 )
@@ -35,13 +35,12 @@ _FORWARD_FP32 = (
 # Under the Triton interpreter (CPU tensors) small tiles make tests cover several blocks and stay fast.
 _FORWARD_INTERPRETER = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
 # Kernel switches (scripts/tune-forward times each against its old path). FOLD_SCALE: one FMA per score
-# in the softmax instead of a multiply and a subtract. TMA: tensor-descriptor loads/stores on Hopper.
+# in the softmax instead of a multiply and a subtract.
 # PACK_GQA: query heads of one GQA group per tile, so each K/V block is loaded once for the whole pack;
 # each head keeps at least _PACK_MIN_ROWS positions of the tile. TILES_FASTEST: the grid's fastest axis
 # walks Q tiles instead of heads. FLAT (narrow windows only): one masked loop over the band instead of
 # three short ones, each of which fills and drains the software pipeline.
 _FORWARD_FOLD_SCALE = True
-_FORWARD_TMA = True
 _FORWARD_PACK_GQA = 8
 _PACK_MIN_ROWS = 16
 _FORWARD_TILES_FASTEST = False
@@ -53,12 +52,12 @@ def forward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device, 
 
     head_dim: D (1..256); dtype: q's dtype; pattern: the normalised attention pattern; device: q's device;
     group: Hq // Hkv. Returns ``{"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}`` (BLOCK_M counts tile
-    rows over all packed heads) plus the kernel switches ``"FOLD_SCALE"`` (bool), ``"TMA"`` (bool),
+    rows over all packed heads) plus the kernel switches ``"FOLD_SCALE"`` (bool),
     ``"PACK_GQA"`` (query heads per tile, a power of two dividing ``group``), ``"TILES_FASTEST"`` and
     ``"FLAT"`` (bool).
     """
     if torch.device(device).type != "cuda":
-        return dict(_FORWARD_INTERPRETER, FOLD_SCALE=_FORWARD_FOLD_SCALE, TMA=False, PACK_GQA=1,
+        return dict(_FORWARD_INTERPRETER, FOLD_SCALE=_FORWARD_FOLD_SCALE, PACK_GQA=1,
                     TILES_FASTEST=_FORWARD_TILES_FASTEST, FLAT=False)
     table = _FORWARD_FP32 if dtype == torch.float32 else _FORWARD_16BIT
     block_m, block_n, num_warps, num_stages = next(row[1:] for row in table if head_dim <= row[0])
@@ -79,16 +78,8 @@ def forward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device, 
     if pattern.nq < _PACK_MIN_ROWS:
         block_m = max(16, min(block_m, pack * min_rows))  # tl.dot needs 16 rows
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages,
-            # float32 dots read operands from shared memory through FMA units: descriptor-loaded tiles
-            # then spill registers (ptxas, sm_90), where pointer loads don't
-            "FOLD_SCALE": _FORWARD_FOLD_SCALE, "TMA": _FORWARD_TMA and dtype != torch.float32, "PACK_GQA": pack,
+            "FOLD_SCALE": _FORWARD_FOLD_SCALE, "PACK_GQA": pack,
             "TILES_FASTEST": _FORWARD_TILES_FASTEST, "FLAT": narrow and _FORWARD_FLAT_NARROW}
-
-
-def tma_supported(device) -> bool:
-    """Tensor descriptors work on Hopper and later GPUs, and under the interpreter (CPU tensors)."""
-    device = torch.device(device)
-    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -139,13 +130,13 @@ class BackwardConfig:
 # a program resident, so the key tile is as long as registers allow and the Q tile short; dQ is the mirror
 # image. Hopper's wgmma gives each warpgroup (4 warps) 64 rows of a product, so 8 warps want 128-row
 # tiles (dkdv_n = 128, dq_m = 128): with 64 rows Triton lays the scores out over both warpgroups twice.
-# Registers are ptxas's for sm_90a (compiled on a CPU box with the launch-time stride divisibility, so
-# loads are pipelined as on the GPU; timings come from scripts/tune-backward): no row spills. At D = 128,
-# dK/dV 32x128 is the only 8-warp tile with 128 keys that does not spill (64x128: 280 bytes, 3 stages 600).
+# The D <= 128 rows are the fastest of scripts/tune-backward on an H200 (benchmarks/NOTES.md): at D = 128
+# the 64x128 dK/dV tile spills a little (ptxas, sm_90a: 600 bytes at 3 stages) and still beats the
+# spill-free 32x128 (gpt-oss causal backward 2.77 -> 2.45 ms, fa D128 causal 8.81 -> 7.55 ms).
 _BACKWARD_16BIT = (
     (64, True, (64, 64, 4, 2), (64, 64, 4, 2)),     # narrow window: a KV tile is seen by few Q tiles
-    (64, False, (64, 128, 8, 2), (128, 64, 8, 2)),
-    (128, False, (32, 128, 8, 2), (128, 64, 8, 2)),
+    (64, False, (64, 64, 4, 2), (128, 64, 8, 2)),
+    (128, False, (64, 128, 8, 3), (128, 64, 8, 3)),
     (256, False, (16, 32, 4, 1), (32, 32, 4, 1)),
 )
 

@@ -9,9 +9,7 @@ running sum at 1), so it costs nothing inside the loop.
 
 Switches, chosen per call by :func:`gstar.kernels.configs.forward_config` and timed by
 ``scripts/tune-forward``: ``PACK_GQA`` stacks several query heads of one GQA group in a tile so each K/V
-block is loaded once for all of them; ``TMA`` moves Q, K, V and the output through tensor descriptors on
-Hopper (falling back to pointer loads where strides or base are not 16-byte aligned); ``FOLD_SCALE``
-(positive scales only) takes the max over raw scores; ``TILES_FASTEST`` reorders the grid; ``FLAT`` walks
+block is loaded once for all of them; ``FOLD_SCALE`` (positive scales only) takes the max over raw scores; ``TILES_FASTEST`` reorders the grid; ``FLAT`` walks
 the window band in one masked loop (narrow windows).
 """
 
@@ -22,12 +20,11 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import pattern as _pat
 from ..pattern import Pattern, kv_block_table
 from . import outputs
-from .configs import dot_precision, forward_config, pad_head_dim, tma_supported
+from .configs import dot_precision, forward_config, pad_head_dim
 
 LOG2E = math.log2(math.e)
 _LOG2E = tl.constexpr(LOG2E)
@@ -39,19 +36,17 @@ _KV_BAND_END, _KV_COLUMNS = tl.constexpr(_pat.KV_BAND_END), tl.constexpr(5)
 
 
 @triton.jit
-def _attend_blocks(acc, m_i, l_i, q, K, V, k_ptrs, v_ptrs, stride_kn, stride_vn, b, h_kv, offs_n, d_ok,
+def _attend_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_n, d_ok,
                    lo_key, hi_key, block_lo, block_hi, qk_scale, Nk, sink_tokens,
                    BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, EVEN_D: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
                    MASKED: tl.constexpr, MAY_BE_EMPTY: tl.constexpr, FOLD_SCALE: tl.constexpr,
-                   USE_TMA: tl.constexpr, PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr):
     """Fold KV blocks ``[block_lo, block_hi)`` into the running ``(acc, m_i, l_i)`` of one Q tile.
 
     acc: (BLOCK_M, D_PAD) float32 unnormalised output; m_i, l_i: (BLOCK_M,) float32 running max (base 2,
-    scaled) and running sum; q: (BLOCK_M, D_PAD). With ``USE_TMA``, K and V are tensor descriptors of
-    (B, Hkv, Nk, HEAD_DIM) with blocks (1, 1, BLOCK_N, D_PAD) that zero-fill past Nk and HEAD_DIM; otherwise
-    k_ptrs: (D_PAD, BLOCK_N) and v_ptrs: (BLOCK_N, D_PAD) point at keys 0..BLOCK_N-1 of this kv head.
-    b, h_kv: int32 batch and kv head, the descriptors' block coordinates (TMA offsets are 32-bit).
+    scaled) and running sum; q: (BLOCK_M, D_PAD); k_ptrs: (D_PAD, BLOCK_N) and v_ptrs: (BLOCK_N, D_PAD)
+    point at keys 0..BLOCK_N-1 of this kv head.
     offs_n: (BLOCK_N,); d_ok: (D_PAD,) real head-dim lanes; lo_key, hi_key: (BLOCK_M,) each row's window
     bounds ``p(i) - left`` and ``p(i) + right``.
     ``MASKED`` blocks evaluate the rule of ``gstar.pattern`` and guard keys past ``Nk``; the others are
@@ -64,16 +59,13 @@ def _attend_blocks(acc, m_i, l_i, q, K, V, k_ptrs, v_ptrs, stride_kn, stride_vn,
         start_n = block * BLOCK_N
         if MASKED:
             cols = start_n + offs_n  # (BLOCK_N,)
-        if USE_TMA:
-            k = K.load([b, h_kv, start_n, 0]).reshape(BLOCK_N, D_PAD).T
+        k_block = k_ptrs + start_n.to(tl.int64) * stride_kn
+        if MASKED:
+            k = tl.load(k_block, mask=d_ok[:, None] & (cols[None, :] < Nk), other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_block)
         else:
-            k_block = k_ptrs + start_n.to(tl.int64) * stride_kn
-            if MASKED:
-                k = tl.load(k_block, mask=d_ok[:, None] & (cols[None, :] < Nk), other=0.0)
-            elif EVEN_D:
-                k = tl.load(k_block)
-            else:
-                k = tl.load(k_block, mask=d_ok[:, None], other=0.0)
+            k = tl.load(k_block, mask=d_ok[:, None], other=0.0)
         s = tl.dot(q, k, input_precision=PRECISION)  # (BLOCK_M, BLOCK_N) raw scores
         if not FOLD_SCALE:
             s = s * qk_scale  # base-2 logits
@@ -103,16 +95,13 @@ def _attend_blocks(acc, m_i, l_i, q, K, V, k_ptrs, v_ptrs, stride_kn, stride_vn,
         else:
             p = tl.math.exp2(s - shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if USE_TMA:
-            v = V.load([b, h_kv, start_n, 0]).reshape(BLOCK_N, D_PAD)
+        v_block = v_ptrs + start_n.to(tl.int64) * stride_vn
+        if MASKED:
+            v = tl.load(v_block, mask=(cols[:, None] < Nk) & d_ok[None, :], other=0.0)
+        elif EVEN_D:
+            v = tl.load(v_block)
         else:
-            v_block = v_ptrs + start_n.to(tl.int64) * stride_vn
-            if MASKED:
-                v = tl.load(v_block, mask=(cols[:, None] < Nk) & d_ok[None, :], other=0.0)
-            elif EVEN_D:
-                v = tl.load(v_block)
-            else:
-                v = tl.load(v_block, mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_block, mask=d_ok[None, :], other=0.0)
         # the rescaled accumulator goes in as the dot's accumulator, so the MMA adds into it in place
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
@@ -132,14 +121,12 @@ def _forward_kernel(
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, EVEN_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr,
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
-        HAS_SINKS: tl.constexpr, FOLD_SCALE: tl.constexpr, USE_TMA: tl.constexpr, TILES_FASTEST: tl.constexpr,
+        HAS_SINKS: tl.constexpr, FOLD_SCALE: tl.constexpr, TILES_FASTEST: tl.constexpr,
         FLAT: tl.constexpr, PRECISION: tl.constexpr):
     """Grid ``(Hq // PACK, cdiv(Nq, BLOCK_M // PACK), B)``, its first two axes swapped if TILES_FASTEST.
 
     Q, Out: (B, Hq, Nq, HEAD_DIM); K, V: (B, Hkv, Nk, HEAD_DIM), Hkv = Hq // group; all with unit last
-    stride. With ``USE_TMA`` the four are tensor descriptors over those shapes, with blocks
-    (1, PACK, BLOCK_M // PACK, D_PAD) for Q and Out and (1, 1, BLOCK_N, D_PAD) for K and V (the strides
-    arguments are then unused). Sinks: (Hq,) float32 (read only if HAS_SINKS); Lse: (B, Hq, Nq) float32
+    stride. Sinks: (Hq,) float32 (read only if HAS_SINKS); Lse: (B, Hq, Nq) float32
     contiguous; Table: (cdiv(Nq, BLOCK_M // PACK), 5) int32 from ``kv_block_table`` with tiles of
     BLOCK_M // PACK rows. qk_scale = scale * log2(e), and > 0 if FOLD_SCALE.
     EVEN_D: HEAD_DIM == D_PAD, so that whole blocks load without any mask.
@@ -154,10 +141,8 @@ def _forward_kernel(
     HEAD_AXIS: tl.constexpr = 1 if TILES_FASTEST else 0
     h0 = tl.program_id(HEAD_AXIS) * PACK  # first query head of this tile
     tile = tl.num_programs(1 - HEAD_AXIS) - 1 - tl.program_id(1 - HEAD_AXIS)
-    b32 = tl.program_id(2)  # descriptor coordinates are 32-bit; pointer offsets are 64-bit from here on,
-    b = b32.to(tl.int64)  # since one head's offset may pass 2^31
-    h_kv32 = h0 // group
-    h_kv = h_kv32.to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)  # 64-bit offsets from here on: one head's offset may pass 2^31
+    h_kv = (h0 // group).to(tl.int64)
     row_start = tile * ROWS
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -168,16 +153,11 @@ def _forward_kernel(
     row_ok = rows < Nq
     d_ok = offs_d < HEAD_DIM  # (D_PAD,) all true unless D was padded to a power of two
 
-    if USE_TMA:
-        q = Q.load([b32, h0, row_start, 0]).reshape(BLOCK_M, D_PAD)  # zero past Nq and HEAD_DIM
-        k_ptrs = K
-        v_ptrs = V
-    else:
-        q_rows = b * stride_qb + heads.to(tl.int64) * stride_qh + rows.to(tl.int64) * stride_qm  # (BLOCK_M,)
-        q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :],
-                    other=0.0)  # (BLOCK_M, D_PAD)
-        k_ptrs = K + b * stride_kb + h_kv * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None]  # K^T
-        v_ptrs = V + b * stride_vb + h_kv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+    q_rows = b * stride_qb + heads.to(tl.int64) * stride_qh + rows.to(tl.int64) * stride_qm  # (BLOCK_M,)
+    q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                other=0.0)  # (BLOCK_M, D_PAD)
+    k_ptrs = K + b * stride_kb + h_kv * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None]  # K^T
+    v_ptrs = V + b * stride_vb + h_kv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
     lo_key = rows + offset - left   # (BLOCK_M,) window bounds of each row, used by masked blocks only
     hi_key = rows + offset + right
 
@@ -199,28 +179,28 @@ def _forward_kernel(
 
     may_be_empty: tl.constexpr = not HAS_SINKS
     if HAS_SINK_TOKENS:
-        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, K, V, k_ptrs, v_ptrs, stride_kn, stride_vn, b32, h_kv32,
+        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
                                        offs_n, d_ok, lo_key, hi_key, 0, sink_end, qk_scale, Nk, sink_tokens,
                                        BLOCK_N, D_PAD, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True,
-                                       may_be_empty, FOLD_SCALE, USE_TMA, PRECISION)
+                                       may_be_empty, FOLD_SCALE, PRECISION)
     if FLAT:
         # one pipelined loop over the whole band, every block masked: a narrow window's few blocks per
         # range would otherwise spend most of their time filling and draining three short pipelines
         full_start = band_end
         full_end = band_end
-    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, K, V, k_ptrs, v_ptrs, stride_kn, stride_vn, b32, h_kv32,
+    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
                                    offs_n, d_ok, lo_key, hi_key, band_start, full_start, qk_scale, Nk, sink_tokens,
                                    BLOCK_N, D_PAD, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True,
-                                   may_be_empty, FOLD_SCALE, USE_TMA, PRECISION)
+                                   may_be_empty, FOLD_SCALE, PRECISION)
     if not FLAT:
-        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, K, V, k_ptrs, v_ptrs, stride_kn, stride_vn, b32, h_kv32,
+        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
                                        offs_n, d_ok, lo_key, hi_key, full_start, full_end, qk_scale, Nk,
                                        sink_tokens, BLOCK_N, D_PAD, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
-                                       False, may_be_empty, FOLD_SCALE, USE_TMA, PRECISION)
-        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, K, V, k_ptrs, v_ptrs, stride_kn, stride_vn, b32, h_kv32,
+                                       False, may_be_empty, FOLD_SCALE, PRECISION)
+        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
                                        offs_n, d_ok, lo_key, hi_key, full_end, band_end, qk_scale, Nk,
                                        sink_tokens, BLOCK_N, D_PAD, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
-                                       True, may_be_empty, FOLD_SCALE, USE_TMA, PRECISION)
+                                       True, may_be_empty, FOLD_SCALE, PRECISION)
 
     # rows that saw no key (and no sink) have l = 0 and acc = 0: divide by 1 to store exact zeros
     empty = l_i == 0.0
@@ -228,23 +208,9 @@ def _forward_kernel(
     out = (acc / l_safe[:, None]).to(q.dtype)  # Out has q's dtype
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * _LN2)  # natural log
 
-    if USE_TMA:
-        Out.store([b32, h0, row_start, 0], out.reshape(1, PACK, ROWS, D_PAD))  # clipped at Nq and HEAD_DIM
-    else:
-        o_rows = b * stride_ob + heads.to(tl.int64) * stride_oh + rows.to(tl.int64) * stride_om
-        tl.store(Out + o_rows[:, None] + offs_d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
+    o_rows = b * stride_ob + heads.to(tl.int64) * stride_oh + rows.to(tl.int64) * stride_om
+    tl.store(Out + o_rows[:, None] + offs_d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
     tl.store(Lse + (b * Hq + heads) * Nq + rows, lse, mask=row_ok)  # Lse is contiguous (B, Hq, Nq)
-
-
-def _tma_ok(*tensors) -> bool:
-    """Whether tensor descriptors can address these tensors: 16-byte aligned base and outer strides."""
-    return all(t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
-               and min(t.shape) > 0 for t in tensors)
-
-
-def _descriptor(t, block_shape):
-    """A descriptor over all of ``t`` (its own shape and strides) that moves ``block_shape`` tiles."""
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block_shape)
 
 
 def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: dict | None = None):
@@ -253,8 +219,7 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
     q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D); float16/bfloat16/float32, any strides with unit last stride
     (never copied). sinks: None or (Hq,) float32, unscaled. pattern: normalised :class:`Pattern`.
     ``config`` overrides :func:`forward_config` (same keys; missing switches take its defaults), for tests
-    and tuning. The switches are requests: ``TMA`` falls back to pointer loads where descriptors can't
-    address the tensors (misaligned strides, pre-Hopper GPUs), ``FOLD_SCALE`` is ignored for scale <= 0,
+    and tuning. The switches are requests: ``FOLD_SCALE`` is ignored for scale <= 0,
     and ``PACK_GQA`` shrinks to the largest power of two dividing the GQA group.
 
     out: (B, Hq, Nq, D) in q's dtype and memory layout, zero rows where no key is visible.
@@ -272,17 +237,11 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
     lse = outputs.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)         # (B, Hq, Nq)
     table = kv_block_table(pattern, rows, block_n, q.device)                       # (n_tiles, 5)
     d_pad = pad_head_dim(D)
-    use_tma = cfg["TMA"] and tma_supported(q.device) and _tma_ok(q, k, v, out)
-    if use_tma:
-        q_arg, out_arg = _descriptor(q, [1, pack, rows, d_pad]), _descriptor(out, [1, pack, rows, d_pad])
-        k_arg, v_arg = _descriptor(k, [1, 1, block_n, d_pad]), _descriptor(v, [1, 1, block_n, d_pad])
-    else:
-        q_arg, k_arg, v_arg, out_arg = q, k, v, out
     grid = (Hq // pack, triton.cdiv(Nq, rows), B)
     if cfg["TILES_FASTEST"]:
         grid = (grid[1], grid[0], B)
     _forward_kernel[grid](
-        q_arg, k_arg, v_arg, sinks, out_arg, lse, table,
+        q, k, v, sinks, out, lse, table,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -291,7 +250,7 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
         scale * LOG2E,
         HEAD_DIM=D, D_PAD=d_pad, EVEN_D=d_pad == D, BLOCK_M=block_m, BLOCK_N=block_n, PACK=pack,
         HAS_LEFT=pattern.left >= 0, HAS_RIGHT=pattern.right >= 0, HAS_SINK_TOKENS=pattern.sink_tokens > 0,
-        HAS_SINKS=sinks is not None, FOLD_SCALE=bool(cfg["FOLD_SCALE"]) and scale > 0, USE_TMA=use_tma,
+        HAS_SINKS=sinks is not None, FOLD_SCALE=bool(cfg["FOLD_SCALE"]) and scale > 0,
         TILES_FASTEST=bool(cfg["TILES_FASTEST"]), FLAT=bool(cfg["FLAT"]),
         PRECISION=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
