@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import gstar
+from inputs import make_qkv
 from gstar.accuracy import relative_error, verdict
 from gstar.kernels.backward import (W_END, W_FULL_END, W_FULL_START, W_START, W_TILE, BackwardConfig, _auto_split,
                                     attention_backward, backward_config, split_plan)
@@ -35,21 +36,6 @@ def _first_tier_device(request, device):
     torch.set_default_device(device)
     yield
     torch.set_default_device("cpu")
-
-
-def _make(B, Hq, Hkv, Nq, Nk, D, dtype, device=None, layout="bhnd", magnitude=1.0):
-    """q: (B, Hq, Nq, D), k, v: (B, Hkv, Nk, D) in ``dtype``. ``"bnhd"`` stores them as transposed
-    (B, N, H, D) tensors; ``"packed"`` also slices k and v out of one (B, Nk, 2 * Hkv, D) buffer."""
-    def rand(*shape):
-        return (torch.randn(*shape, device=device) * magnitude).to(dtype)
-
-    if layout == "bhnd":
-        return rand(B, Hq, Nq, D), rand(B, Hkv, Nk, D), rand(B, Hkv, Nk, D)
-    q = rand(B, Nq, Hq, D).transpose(1, 2)
-    if layout == "bnhd":
-        return q, rand(B, Nk, Hkv, D).transpose(1, 2), rand(B, Nk, Hkv, D).transpose(1, 2)
-    kv = rand(B, Nk, 2 * Hkv, D)
-    return q, kv[:, :, :Hkv].transpose(1, 2), kv[:, :, Hkv:].transpose(1, 2)
 
 
 def _sinks(kind, Hq, device=None):
@@ -138,7 +124,7 @@ CASES = [
 
 def _case_inputs(case, dtype, layout="bhnd"):
     _, B, Hq, Hkv, Nq, Nk, D, pattern_args, sinks_kind, use_dlse = case
-    q, k, v = _make(B, Hq, Hkv, Nq, Nk, D, dtype, layout=layout)
+    q, k, v = make_qkv(B, Hq, Hkv, Nq, Nk, D, dtype, layout=layout)
     dout = torch.randn(B, Hq, Nq, D).to(dtype)
     dlse = torch.randn(B, Hq, Nq) if use_dlse else None
     return q, k, v, _sinks(sinks_kind, Hq), dout, dlse, pattern_args, D ** -0.5
@@ -180,7 +166,7 @@ def test_fp32_strided_inputs(layout, dlse_dtype):
     """Transposed / packed q, k, v, dout, out and a strided dLSE of another dtype are read in place;
     the gradients follow the layouts of q, k, v."""
     B, Hq, Hkv, Nq, Nk, D = 2, 4, 2, 37, 29, 48
-    q, k, v = _make(B, Hq, Hkv, Nq, Nk, D, torch.float32, layout=layout)
+    q, k, v = make_qkv(B, Hq, Hkv, Nq, Nk, D, torch.float32, layout=layout)
     dout = torch.randn(B, Nq, Hq, D).transpose(1, 2)
     dlse = torch.randn(B, Hq, Nq, 3).to(dlse_dtype)[..., 1]
     sinks = _sinks("mixed", Hq)
@@ -274,7 +260,7 @@ def test_repeatable_bits(case, config):
 
 
 def test_empty_inputs():
-    q, k, v = _make(1, 2, 1, 0, 5, 16, torch.float32)
+    q, k, v = make_qkv(1, 2, 1, 0, 5, 16, torch.float32)
     sinks = torch.zeros(2)
     lse = torch.empty(1, 2, 0)
     out = torch.empty_like(q)
@@ -371,7 +357,7 @@ GPU_CASES = [
 def _check_end_to_end_bar(case, device):
     """One GPU_CASES row end to end against the float32 oracle on ``device``, with the 3x bar."""
     _, dtype, B, Hq, Hkv, Nq, Nk, D, pattern_args, sink_mag, use_dlse = case
-    q, k, v = _make(B, Hq, Hkv, Nq, Nk, D, dtype, device=device)
+    q, k, v = make_qkv(B, Hq, Hkv, Nq, Nk, D, dtype, device=device)
     sinks = (torch.rand(Hq, device=device) * 2 - 1) * sink_mag if sink_mag else None
     dout = torch.randn(B, Hq, Nq, D, device=device).to(dtype)
     dlse = torch.randn(B, Hq, Nq, device=device) if use_dlse else None
@@ -396,7 +382,7 @@ def test_gpu_within_bar(case):
 def test_gpu_forced_split_within_bar(pattern_args, flat):
     """The split dK/dV path (head and Q-range splits, float32 partials) on compiled kernels, bfloat16."""
     B, Hq, Hkv, N, D = 1, 8, 2, 1000, 64
-    q, k, v = _make(B, Hq, Hkv, N, N, D, torch.bfloat16, device="cuda")
+    q, k, v = make_qkv(B, Hq, Hkv, N, N, D, torch.bfloat16, device="cuda")
     sinks = (torch.rand(Hq, device="cuda") * 2 - 1) * 5
     dout = torch.randn(B, Hq, N, D, device="cuda").to(torch.bfloat16)
     pattern, scale = Pattern.make(N, N, **pattern_args), D ** -0.5
@@ -416,7 +402,7 @@ def test_gpu_forced_split_within_bar(pattern_args, flat):
 def test_gpu_fp32_ieee(D):
     """float32 inputs on the GPU use IEEE dots (TF32 off by default): relative error < 1e-4."""
     assert not torch.backends.cuda.matmul.allow_tf32
-    q, k, v = _make(2, 4, 2, 300, 333, D, torch.float32, device="cuda")
+    q, k, v = make_qkv(2, 4, 2, 300, 333, D, torch.float32, device="cuda")
     sinks = _sinks("mixed", 4, device="cuda")
     dout = torch.randn(2, 4, 300, D, device="cuda")
     dlse = torch.randn(2, 4, 300, device="cuda")
@@ -434,7 +420,7 @@ def test_gpu_bitwise_deterministic(shape):
     """20 calls give the same bits; stage 9 (one kv head, sink tokens) takes the split dK/dV path."""
     B, Hq, Hkv, D, pattern_args, learned_sinks = shape
     N = 4096
-    q, k, v = _make(B, Hq, Hkv, N, N, D, torch.bfloat16, device="cuda")
+    q, k, v = make_qkv(B, Hq, Hkv, N, N, D, torch.bfloat16, device="cuda")
     sinks = (torch.rand(Hq, device="cuda") * 2 - 1) * 20 if learned_sinks else None
     dout = torch.randn(B, Hq, N, D, device="cuda").to(torch.bfloat16)
     dlse = torch.randn(B, Hq, N, device="cuda")

@@ -9,26 +9,12 @@ import pytest
 import torch
 
 import gstar
+from inputs import make_qkv
 from gstar.accuracy import relative_error, verdict
 from gstar.kernels.configs import forward_config
 from gstar.kernels.forward import attention_forward
 from gstar.pattern import Pattern
 from gstar.reference import naive_attention
-
-
-def _make(B, Hq, Hkv, Nq, Nk, D, dtype, device, layout="bhnd", magnitude=1.0):
-    """q: (B, Hq, Nq, D), k, v: (B, Hkv, Nk, D). ``layout="bnhd"`` gives transposed (B, N, H, D) storage;
-    ``"packed"`` also slices k and v out of one (B, Nk, 2 * Hkv, D) buffer, as fused QKV projections do."""
-    def rand(*shape):
-        return (torch.randn(*shape, device=device) * magnitude).to(dtype)
-
-    if layout == "bhnd":
-        return rand(B, Hq, Nq, D), rand(B, Hkv, Nk, D), rand(B, Hkv, Nk, D)
-    q = rand(B, Nq, Hq, D).transpose(1, 2)
-    if layout == "bnhd":
-        return q, rand(B, Nk, Hkv, D).transpose(1, 2), rand(B, Nk, Hkv, D).transpose(1, 2)
-    kv = rand(B, Nk, 2 * Hkv, D)
-    return q, kv[:, :, :Hkv].transpose(1, 2), kv[:, :, Hkv:].transpose(1, 2)
 
 
 def _run(q, k, v, sinks, causal, window, sink_tokens, scale, config=None):
@@ -110,14 +96,14 @@ PATTERNS = [
 @pytest.mark.parametrize("causal,window,sink_tokens", PATTERNS)
 def test_fp32_matches_oracle(shape, causal, window, sink_tokens, device):
     Nq, Nk, D, Hq, Hkv = shape
-    q, k, v = _make(1, Hq, Hkv, Nq, Nk, D, torch.float32, device=device)
+    q, k, v = make_qkv(1, Hq, Hkv, Nq, Nk, D, torch.float32, device=device)
     _check_fp32(q, k, v, causal=causal, window=window, sink_tokens=sink_tokens)
 
 
 @pytest.mark.parametrize("D", [1, 3, 256])
 def test_fp32_head_dim_extremes(D, device):
     """D is padded to a power of two of at least 16 with masked lanes, up to the largest supported, 256."""
-    q, k, v = _make(1, 2, 1, 20, 37, D, torch.float32, device=device)
+    q, k, v = make_qkv(1, 2, 1, 20, 37, D, torch.float32, device=device)
     _check_fp32(q, k, v, causal=True, scale=0.7)
 
 
@@ -125,7 +111,7 @@ def test_fp32_head_dim_extremes(D, device):
                          ids=["mixed", "plus20", "minus20", "both"])
 @pytest.mark.parametrize("causal,window,sink_tokens", [(True, (-1, -1), 0), (False, (4, 2), 3)])
 def test_fp32_learned_sinks(sinks, causal, window, sink_tokens, device):
-    q, k, v = _make(2, 4, 2, 33, 47, 32, torch.float32, device=device)
+    q, k, v = make_qkv(2, 4, 2, 33, 47, 32, torch.float32, device=device)
     _check_fp32(q, k, v, sinks=torch.tensor(sinks, device=device), causal=causal, window=window, sink_tokens=sink_tokens)
 
 
@@ -136,7 +122,7 @@ def test_fp32_learned_sinks(sinks, causal, window, sink_tokens, device):
 ])
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_fp32_empty_rows(Nq, Nk, causal, window, with_sinks, device):
-    q, k, v = _make(1, 2, 1, Nq, Nk, 24, torch.float32, device=device)
+    q, k, v = make_qkv(1, 2, 1, Nq, Nk, 24, torch.float32, device=device)
     sinks = torch.tensor([2.5, -3.0], device=device) if with_sinks else None
     _check_fp32(q, k, v, sinks=sinks, causal=causal, window=window)
 
@@ -144,7 +130,7 @@ def test_fp32_empty_rows(Nq, Nk, causal, window, with_sinks, device):
 @pytest.mark.parametrize("layout", ["bnhd", "packed"])
 @pytest.mark.parametrize("causal,window,sink_tokens", [(True, (-1, -1), 0), (False, (9, 0), 2)])
 def test_fp32_strided_inputs(layout, causal, window, sink_tokens, device):
-    q, k, v = _make(2, 4, 2, 37, 29, 48, torch.float32, layout=layout, device=device)
+    q, k, v = make_qkv(2, 4, 2, 37, 29, 48, torch.float32, layout=layout, device=device)
     assert not q.is_contiguous() and not k.is_contiguous()
     out, _, _ = _run(q, k, v, None, causal, window, sink_tokens, 0.3)
     assert out.transpose(1, 2).is_contiguous()  # the output follows q's (B, N, H, D) storage
@@ -155,7 +141,7 @@ def test_fp32_strided_inputs(layout, causal, window, sink_tokens, device):
 @pytest.mark.parametrize("causal,window,sink_tokens", [(True, (-1, -1), 0), (False, (20, 3), 5)])
 def test_fp32_tiles(block_m, block_n, causal, window, sink_tokens, device):
     config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 1, "num_stages": 1}
-    q, k, v = _make(1, 2, 1, 75, 90, 32, torch.float32, device=device)
+    q, k, v = make_qkv(1, 2, 1, 75, 90, 32, torch.float32, device=device)
     sinks = torch.tensor([0.7, -1.2], device=device)
     _check_fp32(q, k, v, sinks=sinks, causal=causal, window=window, sink_tokens=sink_tokens, config=config)
 
@@ -168,14 +154,14 @@ def test_fp32_tiles(block_m, block_n, causal, window, sink_tokens, device):
 ])
 def test_fp16_within_bar(shape, causal, window, sink_tokens, with_sinks, device):
     Nq, Nk, D, Hq, Hkv = shape
-    q, k, v = _make(1, Hq, Hkv, Nq, Nk, D, torch.float16, device=device)
+    q, k, v = make_qkv(1, Hq, Hkv, Nq, Nk, D, torch.float16, device=device)
     sinks = torch.randn(Hq, device=device) * 3 if with_sinks else None
     _check_bar(q, k, v, sinks=sinks, causal=causal, window=window, sink_tokens=sink_tokens)
 
 
 def test_public_entry_point(device):
     """gstar.flash_attention(backend="triton") reaches this kernel with normalised arguments."""
-    q, k, v = _make(2, 4, 2, 21, 30, 32, torch.float32, layout="bnhd", device=device)
+    q, k, v = make_qkv(2, 4, 2, 21, 30, 32, torch.float32, layout="bnhd", device=device)
     sinks = torch.randn(4, device=device)
     out, lse = gstar.flash_attention(q, k, v, window=(6, 1), sink_tokens=2, sinks=sinks, backend="triton",
                                      return_lse=True)
@@ -219,7 +205,7 @@ def _switch_id(c):
 ])
 def test_fp32_switches(switches, layout, causal, window, sink_tokens, with_sinks, scale, device):
     """PACK_GQA 4 stacks 4 heads of 4 positions each into a 16-row tile, so tiles span heads and rows."""
-    q, k, v = _make(2, 8, 2, 37, 29, 40, torch.float32, layout=layout, device=device)
+    q, k, v = make_qkv(2, 8, 2, 37, 29, 40, torch.float32, layout=layout, device=device)
     sinks = torch.randn(8, device=device) if with_sinks else None
     config = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=2, **switches)
     _check_fp32(q, k, v, sinks=sinks, causal=causal, window=window, sink_tokens=sink_tokens, scale=scale,
@@ -243,7 +229,7 @@ PATTERNS_GPU = [
 
 def _gpu_bar(dtype, Nq, Nk, D, Hq, Hkv, causal, window, sink_tokens, sinks_scale=None, B=2, magnitude=1.0,
              scale=None, layout="bhnd"):
-    q, k, v = _make(B, Hq, Hkv, Nq, Nk, D, dtype, device="cuda", layout=layout, magnitude=magnitude)
+    q, k, v = make_qkv(B, Hq, Hkv, Nq, Nk, D, dtype, device="cuda", layout=layout, magnitude=magnitude)
     sinks = None if sinks_scale is None else torch.randn(Hq, device="cuda").sign() * sinks_scale
     _check_bar(q, k, v, sinks=sinks, causal=causal, window=window, sink_tokens=sink_tokens, scale=scale,
                oracle_dtype=torch.float32)
@@ -308,7 +294,7 @@ def test_gpu_stage7_shape():
 @pytest.mark.parametrize("tf32", [False, True])
 def test_gpu_fp32(tf32, monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", tf32)
-    q, k, v = _make(2, 8, 2, 239, 256, 96, torch.float32, device="cuda")
+    q, k, v = make_qkv(2, 8, 2, 239, 256, 96, torch.float32, device="cuda")
     if not tf32:
         _check_fp32(q, k, v, causal=True)
         return
@@ -333,7 +319,7 @@ SWITCHES_GPU = [SWITCHES[0], SWITCHES[3], SWITCHES[4], SWITCHES[7]]
 ])
 def test_gpu_switches(switches, D, layout, causal, window, sink_tokens):
     """Every switch combination on the GPU's own tiles."""
-    q, k, v = _make(2, 8, 2, 1023, 1024, D, torch.bfloat16, "cuda", layout=layout)
+    q, k, v = make_qkv(2, 8, 2, 1023, 1024, D, torch.bfloat16, "cuda", layout=layout)
     sinks = torch.randn(8, device="cuda")
     config = dict(forward_config(D, q.dtype, Pattern.make(1023, 1024, causal=causal, window=window), "cuda",
                                  group=4), **switches)
