@@ -1,0 +1,231 @@
+"""The ``"gstar"`` attention implementation for Hugging Face transformers.
+
+Importing this module registers it (see :func:`register`); then::
+
+    import gstar.integrations.transformers
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="gstar")   # or
+    model.set_attn_implementation("gstar")
+
+Any decoder whose attention is causal + GQA + optional sliding window + optional learned sinks runs exactly:
+GPT-OSS (``s_aux`` becomes ``sinks``, with its gradient), Llama, Qwen2/3, Mistral. Like the flash-attention
+integrations, no 4-D mask is built: the mask function passes the 2-D padding mask through (or ``None`` when
+there is no padding), and the attention function picks one of three paths:
+
+- plain batch: :func:`gstar.flash_attention` on the tensors as they come (no copies of q, k, v);
+- padded batch (2-D mask with zeros): unpad, :func:`gstar.flash_attention_varlen`, pad back;
+- packed batch (``cu_seq_lens_q/k`` from a flattening collator, or position ids restarting at 0 inside a
+  row): :func:`gstar.flash_attention_varlen` on the flattened batch, each document attending only to itself.
+
+What the model asks for and gstar cannot do (attention dropout while training, logit soft-capping, custom
+4-D masks) raises a ``ValueError`` naming the feature instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+try:
+    from transformers import AttentionInterface
+except ImportError:  # older releases export it from modeling_utils only
+    from transformers.modeling_utils import AttentionInterface
+try:
+    from transformers import AttentionMaskInterface
+except ImportError:
+    from transformers.masking_utils import AttentionMaskInterface
+
+from ..api import flash_attention, flash_attention_varlen
+from ..varlen import cu_seqlens_from_mask, cu_seqlens_from_position_ids, pad, unpad
+
+NAME = "gstar"
+
+
+class _Plans:
+    """Packing plans keyed on the identity (and in-place version) of a mask or position-id tensor.
+
+    Every layer of one forward pass receives the same mask / position-id tensor; computing its plan once
+    saves a device sync per layer. Entries hold weak references, so a freed tensor is never matched.
+    """
+
+    def __init__(self, size: int = 8):
+        self.size = size
+        self.entries = []
+
+    def get(self, tensor: torch.Tensor, key, build):
+        """The plan of ``(tensor, key)``, built by ``build()`` on a miss."""
+        for ref, version, k, plan in self.entries:
+            if ref() is tensor and version == tensor._version and k == key:
+                return plan
+        plan = build()
+        self.entries = [(weakref.ref(tensor), tensor._version, key, plan)] + self.entries[:self.size - 1]
+        return plan
+
+
+_plans = _Plans()
+
+
+def _options(module, dropout, sliding_window, softcap, is_causal):
+    """(causal, window) from what the model passes; errors for what gstar does not compute."""
+    if dropout and module.training:
+        raise ValueError(f"gstar attention does not implement attention dropout (the model asks for p={dropout} "
+                         f"while training): set the config's attention_dropout to 0.0, or use "
+                         f"attn_implementation='eager'")
+    if softcap is not None:
+        raise ValueError("gstar attention does not implement attention logit soft-capping (softcap, e.g. "
+                         "Gemma 2's attn_logit_softcapping): use attn_implementation='eager'")
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    if not sliding_window:
+        return causal, (-1, -1)
+    # HF's sliding_window=W lets a query see itself and W - 1 keys before it (and after, when bidirectional)
+    left = int(sliding_window) - 1
+    return causal, (left, 0 if causal else left)
+
+
+def _rows_first(x):
+    """(B, H, N, D) -> (B, N, H, D) view; free when x is the usual transposed projection output."""
+    return x.transpose(1, 2)
+
+
+def _padded(q, k, v, mask, **opts):
+    """Padded batch: q (B, Hq, Nq, D), k, v (B, Hkv, Nk, D), mask (B, Nk) -> (B, Nq, Hq, D)."""
+    B, _, Nq, _ = q.shape
+    if mask.shape[1] < k.shape[2]:
+        # a static cache allocates keys past the mask: those slots hold nothing yet
+        k, v = k[:, :, :mask.shape[1]], v[:, :, :mask.shape[1]]
+    elif mask.shape[1] > k.shape[2]:
+        raise ValueError(f"the 2-D attention mask covers {mask.shape[1]} keys but the layer has {k.shape[2]}")
+    Nk = k.shape[2]
+    cu_k, max_k, idx_k = _plans.get(mask, "k", lambda: cu_seqlens_from_mask(mask))
+    if Nq == Nk:
+        cu_q, max_q, idx_q = cu_k, max_k, idx_k
+    else:
+        def query_plan():
+            # queries are the last Nq tokens; with left padding they are each sequence's last Nq_s keys,
+            # which is exactly gstar's bottom-right alignment
+            if not bool(mask[:, -1].all()):
+                raise ValueError("gstar attention supports padding with fewer queries than keys (cached "
+                                 "decoding) only for left padding: use padding_side='left' to generate")
+            return cu_seqlens_from_mask(mask[:, -Nq:])
+        cu_q, max_q, idx_q = _plans.get(mask, ("q", Nq), query_plan)
+    out = flash_attention_varlen(unpad(_rows_first(q), idx_q), unpad(_rows_first(k), idx_k),
+                                 unpad(_rows_first(v), idx_k), cu_q, cu_k, max_q, max_k, **opts)  # (total_q, Hq, D)
+    return pad(out, idx_q, B, Nq)
+
+
+def _packing_plan(position_ids, batch: int):
+    """``(cu_seqlens, max_seqlen)`` when position ids restart inside a row (packed documents), else None."""
+    pos = position_ids.reshape(-1, position_ids.shape[-1]).expand(batch, -1)   # (B, N)
+    if pos.shape[1] < 2 or not bool((pos[:, 1:] != pos[:, :-1] + 1).any()):
+        return None
+    try:
+        return cu_seqlens_from_position_ids(pos.flatten())
+    except ValueError as err:
+        raise ValueError(f"gstar attention reads position ids that restart inside a row as packed documents; "
+                         f"these do not describe packed documents: {err}") from err
+
+
+def _packed(q, k, v, cu_q, cu_k, max_q, max_k, **opts):
+    """Flattened batch: q (B, Hq, Nq, D), k, v (B, Hkv, Nk, D), documents by cu_seqlens -> (B, Nq, Hq, D)."""
+    B, Hq, Nq, D = q.shape
+    flat = [_rows_first(x).reshape(-1, x.shape[1], D) for x in (q, k, v)]  # (B * N, H, D)
+    out = flash_attention_varlen(*flat, cu_q, cu_k, max_q, max_k, **opts)
+    return out.view(B, Nq, Hq, D)
+
+
+def _as_cu_seqlens(cu, device):
+    return cu.to(device=device, dtype=torch.int32)
+
+
+def _max_length(given, cu):
+    if given is not None:
+        return int(given)
+    return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+
+
+def gstar_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                            sliding_window=None, softcap=None, is_causal=None, s_aux=None, position_ids=None,
+                            cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None,
+                            **kwargs):
+    """transformers attention function backed by gstar (registered as ``"gstar"``).
+
+    Args:
+        module: the attention module (reads ``training`` and ``is_causal``, default True).
+        query: ``(B, Hq, Nq, D)``; key, value: ``(B, Hkv, Nk, D)`` with ``Hq % Hkv == 0``.
+        attention_mask: ``None`` or the ``(B, Nk)`` padding mask from the ``"gstar"`` mask function.
+        scaling: multiplies ``q . k`` (default ``D ** -0.5``).
+        dropout: must be 0 while the module trains (gstar has no attention dropout).
+        sliding_window: ``W`` keys per query including itself, i.e. gstar ``window=(W - 1, 0)``.
+        softcap: unsupported (raises when set).
+        is_causal: overrides ``module.is_causal``.
+        s_aux: ``(Hq,)`` learned sink logits (GPT-OSS), gstar ``sinks``; gradients flow to them.
+        position_ids: ``(B, N)`` or ``(1, N)``; ids restarting at 0 inside a row mark packed documents.
+        cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k: document boundaries of a flattened batch
+            (from e.g. ``DataCollatorWithFlattening``); take precedence over position ids.
+        kwargs: whatever else the model forwards (ignored).
+
+    Returns ``(attn_output, None)``, ``attn_output`` ``(B, Nq, Hq, Dv)``, as the flash integrations do (no
+    attention probabilities exist to return).
+    """
+    causal, window = _options(module, dropout, sliding_window, softcap, is_causal)
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(f"gstar attention takes no {attention_mask.dim()}-D custom attention mask (only the "
+                         f"2-D padding mask): it expresses causal, sliding-window, padding and packing masks "
+                         f"itself; use attn_implementation='eager' for arbitrary masks")
+    D, Dv = query.shape[-1], value.shape[-1]
+    if Dv > D:
+        raise ValueError(f"gstar attention needs value head dim <= query head dim, got {Dv} > {D}")
+    if Dv < D:
+        # e.g. MLA's smaller value heads: zero columns add nothing to the output, which is cropped below
+        value = torch.nn.functional.pad(value, (0, D - Dv))
+    opts = dict(causal=causal, window=window, sinks=s_aux, scale=scaling)
+
+    if attention_mask is not None:
+        out = _padded(query, key, value, attention_mask, **opts)
+    elif cu_seq_lens_q is not None or cu_seq_lens_k is not None:
+        if cu_seq_lens_q is None or cu_seq_lens_k is None:
+            raise ValueError("gstar attention needs both cu_seq_lens_q and cu_seq_lens_k for a flattened batch")
+        cu_q, cu_k = _as_cu_seqlens(cu_seq_lens_q, query.device), _as_cu_seqlens(cu_seq_lens_k, query.device)
+        out = _packed(query, key, value, cu_q, cu_k, _max_length(max_length_q, cu_q),
+                      _max_length(max_length_k, cu_k), **opts)
+    else:
+        plan = None
+        if position_ids is not None and position_ids.dim() <= 2 and position_ids.shape[-1] == query.shape[2]:
+            plan = _plans.get(position_ids, ("pos", query.shape[0]),
+                              lambda: _packing_plan(position_ids, query.shape[0]))
+        if plan is None:
+            out = _rows_first(flash_attention(query, key, value, **opts))
+        elif query.shape[2] != key.shape[2]:
+            raise ValueError("gstar attention cannot combine packed documents (position ids restarting at 0) "
+                             "with a KV cache")
+        else:
+            cu, longest = plan
+            out = _packed(query, key, value, cu, cu, longest, longest, **opts)
+    return (out if Dv == D else out[..., :Dv]), None
+
+
+def gstar_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offset=0, mask_function=None,
+               attention_mask=None, **kwargs):
+    """transformers mask function for ``"gstar"``: no 4-D mask, only the 2-D padding mask when one is needed.
+
+    Returns ``None`` when there is no padding (the attention function applies causality, windows and
+    packing itself), else the ``(B, kv_length)`` boolean padding mask over the layer's keys. Extra mask
+    overlays a model may pass in ``mask_function`` (e.g. bidirectional image tokens) are not expressible.
+    Every argument is a keyword with a default because releases differ in what they pass (older ones send
+    ``cache_position`` instead of ``q_length``); only ``kv_length`` and ``attention_mask`` are read.
+    """
+    if attention_mask is None:
+        return None
+    mask = attention_mask[:, -kv_length:]  # a sliding-window cache keeps only the last kv_length keys
+    if mask.shape[1] == kv_length and bool(mask.all()):
+        return None
+    return mask
+
+
+def register():
+    """Register ``"gstar"`` with transformers' attention and mask interfaces (idempotent)."""
+    AttentionInterface.register(NAME, gstar_attention_forward)
+    AttentionMaskInterface.register(NAME, gstar_mask)
+
+
+register()
