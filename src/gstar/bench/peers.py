@@ -44,9 +44,20 @@ class Peer:
     name = "?"
     layout = "bhnd"
     module = "torch"  # top-level module whose distribution version the reports record
+    cuda_only = False
+
+    def _fn(self):
+        """Import what the implementation needs (and return its entry point, where it has one)."""
+        return None
 
     def unavailable(self, device: torch.device) -> str | None:
         """Why this implementation cannot run on ``device`` at all, or None."""
+        if self.cuda_only and device.type != "cuda":
+            return "needs CUDA"
+        try:
+            self._fn()
+        except Exception as exc:  # ImportError, or a CUDA/CuTe setup error raised at import
+            return f"not importable: {type(exc).__name__}"
         return None
 
     def unsupported(self, case: Case, device: torch.device, mode: str) -> str | None:
@@ -106,12 +117,11 @@ class Eager(Peer):
 class Sdpa(Peer):
     """``scaled_dot_product_attention`` pinned to one backend (flash or cuDNN) with ``sdpa_kernel``."""
 
+    cuda_only = True
+
     def __init__(self, backend: str):
         self.backend = backend
         self.name = f"sdpa-{backend}"
-
-    def unavailable(self, device):
-        return None if device.type == "cuda" else "needs CUDA"
 
     def unsupported(self, case, device, mode):
         if case.sinks:
@@ -175,15 +185,10 @@ class Flex(Peer):
     """Compiled FlexAttention: a block mask for causal / window / sink tokens, learned sinks via the LSE."""
 
     name = "flex"
+    cuda_only = True
 
-    def unavailable(self, device):
-        if device.type != "cuda":
-            return "needs CUDA"
-        try:
-            importlib.import_module("torch.nn.attention.flex_attention")
-        except ImportError as exc:
-            return f"not importable: {exc}"
-        return None
+    def _fn(self):
+        return importlib.import_module("torch.nn.attention.flex_attention").flex_attention
 
     def build(self, case, device):
         from torch.nn.attention.flex_attention import create_block_mask
@@ -202,19 +207,12 @@ class FA4(Peer):
     name = "fa4"
     layout = "bnhd"
     module = "flash_attn"
+    cuda_only = True
 
     def _fn(self):
         from flash_attn.cute import flash_attn_func
         return flash_attn_func
 
-    def unavailable(self, device):
-        if device.type != "cuda":
-            return "needs CUDA"
-        try:
-            self._fn()
-        except Exception as exc:  # ImportError, or a CUDA/CuTe setup error raised at import
-            return f"not importable: {type(exc).__name__}"
-        return None
 
     def unsupported(self, case, device, mode):
         params = inspect.signature(self._fn()).parameters
@@ -250,19 +248,12 @@ class Fla(Peer):
     name = "fla"
     layout = "bnhd"
     module = "fla"
+    cuda_only = True
 
     def _fn(self):
         from fla.ops.attn.parallel import parallel_attn
         return parallel_attn
 
-    def unavailable(self, device):
-        if device.type != "cuda":
-            return "needs CUDA"
-        try:
-            self._fn()
-        except Exception as exc:
-            return f"not importable: {type(exc).__name__}"
-        return None
 
     def unsupported(self, case, device, mode):
         params = inspect.signature(self._fn()).parameters
