@@ -15,6 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 import gstar.integrations.transformers  # noqa: E402,F401  (registers "gstar")
 from gstar.accuracy import max_error as _max_error  # noqa: E402
+from gstar.accuracy import relative_error  # noqa: E402
 from gstar.integrations.transformers import gstar_attention_forward  # noqa: E402
 from gstar.reference import naive_attention  # noqa: E402
 
@@ -280,3 +281,56 @@ def test_gpt_oss_bfloat16_cuda_within_flash_bar():
     for name, ref in ref_grads.items():
         err_ours, err_eager = max_error(our_grads[name], ref), max_error(pt_grads[name], ref)
         assert err_ours <= 3 * err_eager + 1e-5, (name, err_ours, err_eager)
+
+
+def _compiled_step(model, backend, ids, **inputs):
+    """Loss and parameter gradients of one training step with the loss computation compiled whole
+    (``fullgraph=True``: any graph break, in gstar or in the model, raises)."""
+    torch._dynamo.reset()
+    loss_fn = torch.compile(lambda: model(input_ids=ids, labels=ids, **inputs).loss, fullgraph=True,
+                            backend=backend)
+    model.zero_grad()
+    loss = loss_fn()
+    loss.backward()
+    return loss.detach(), _grads(model)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "cu_seq_lens"])
+def test_compiled_gpt_oss_training_step_has_no_graph_break(packed):
+    """torch.compile(fullgraph=True) of a tiny GPT-OSS loss (aot_eager on CPU: Dynamo and AOTAutograd
+    trace exactly as for Inductor); loss and gradients equal the uncompiled gstar model's."""
+    _, ours = _pair(_gpt_oss)
+    ids = torch.randint(0, VOCAB, (2, N))
+    inputs = {}
+    if packed:  # one row of three documents, as DataCollatorWithFlattening hands them over
+        ids = ids[:1]
+        cu = torch.tensor([0, 6, 7, N], dtype=torch.int32)
+        inputs = dict(position_ids=torch.cat([torch.arange(n) for n in (6, 1, N - 7)])[None],
+                      cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=N - 7, max_length_k=N - 7)
+    loss, grads = _compiled_step(ours, "aot_eager", ids, **inputs)
+    ours.zero_grad()
+    ref = ours(input_ids=ids, labels=ids, **inputs).loss
+    ref.backward()
+    assert max_error(loss, ref) <= ATOL
+    ref_grads = _grads(ours)
+    assert grads.keys() == ref_grads.keys() and any("sinks" in name for name in grads)
+    for name, g in grads.items():
+        assert max_error(g, ref_grads[name]) <= ATOL, name
+
+
+@pytest.mark.gpu
+def test_compiled_gpt_oss_training_step_cuda_inductor():
+    """The same step compiled by Inductor on the GPU (float32, so that only summation order differs): no
+    graph break, and the loss and every gradient match the uncompiled step."""
+    _, ours = _pair(_gpt_oss, hidden_size=128, num_attention_heads=8, head_dim=64)
+    ours = ours.to("cuda")
+    ids = torch.randint(0, VOCAB, (2, 300), device="cuda")
+    loss, grads = _compiled_step(ours, "inductor", ids)
+    ours.zero_grad()
+    ref = ours(input_ids=ids, labels=ids).loss
+    ref.backward()
+    assert relative_error(loss, ref.detach()) < 1e-4
+    ref_grads = _grads(ours)
+    assert grads.keys() == ref_grads.keys() and any("sinks" in name for name in grads)
+    for name, g in grads.items():
+        assert relative_error(g, ref_grads[name]) < 1e-4, name

@@ -14,7 +14,11 @@ import torch
 
 import gstar
 from gstar.accuracy import relative_error, verdict
-from gstar.reference import naive_attention
+from gstar.kernels.backward import attention_backward
+from gstar.kernels.configs import BackwardConfig
+from gstar.kernels.forward import attention_forward
+from gstar.pattern import Pattern
+from gstar.reference import naive_attention, tiled_backward, tiled_forward
 
 
 def _cu(lengths, device="cpu"):
@@ -132,22 +136,46 @@ def test_torch_path_matches_oracle():
         torch.testing.assert_close(lse[:, cq[s]:cq[s + 1]], ref_lse[0], rtol=1e-12, atol=1e-12)
 
 
-TRITON_CASES = [
-    ("mixed", dict(window=(3, 0), sink_tokens=2), True),
-    ("nq_ne_nk", dict(causal=True), True),
-    ("keys_missing", dict(window=(2, 1)), False),
-]
-
-
-@pytest.mark.parametrize("lengths,pattern,sinks", TRITON_CASES, ids=[c[0] for c in TRITON_CASES])
+@pytest.mark.parametrize("sinks", [False, True], ids=["nosinks", "sinks"])
+@pytest.mark.parametrize("pattern", PATTERNS, ids=list(PATTERNS))
+@pytest.mark.parametrize("lengths", LENGTHS, ids=list(LENGTHS))
 def test_triton_equals_per_sequence(lengths, pattern, sinks, device):
-    p = _packed(*LENGTHS[lengths], Hq=2, Hkv=1, sinks=sinks, device=device)
-    out, lse, grads = _varlen(p, "triton", **pattern)
-    ref_out, ref_lse, ref_grads = _per_sequence(p, "triton", **pattern)
+    """One launch per pass over every sequence equals one dense call per sequence (GQA 2, padded D)."""
+    p = _packed(*LENGTHS[lengths], Hq=4, Hkv=2, D=24, sinks=sinks, device=device)
+    out, lse, grads = _varlen(p, "triton", **PATTERNS[pattern])
+    ref_out, ref_lse, ref_grads = _per_sequence(p, "triton", **PATTERNS[pattern])
+    assert out.shape == p["q"].shape and out.is_contiguous() and lse.shape == (4, p["q"].shape[0])
     names = ("out", "lse", "dq", "dk", "dv", "dsinks")
     for name, x, r in zip(names, [out, lse] + grads, [ref_out, ref_lse] + ref_grads):
         assert relative_error(x, r) < 1e-4, name
         assert torch.equal(torch.isneginf(x), torch.isneginf(r)), name  # empty rows stay -inf, nothing else
+
+
+KERNEL_SWITCHES = {
+    "pack_gqa": (dict(PACK_GQA=2), BackwardConfig(16, 32, 32, 16, dkdv_warps=1, dq_warps=1)),
+    "flat": (dict(FLAT=True), BackwardConfig(32, 16, 16, 32, dkdv_warps=1, dq_warps=1, flat=True)),
+    "tiles_fastest": (dict(TILES_FASTEST=True, FOLD_SCALE=False), BackwardConfig(16, 16, 16, 16)),
+}
+
+
+@pytest.mark.parametrize("switches", KERNEL_SWITCHES, ids=list(KERNEL_SWITCHES))
+def test_packed_kernel_switches_equal_torch_path(switches, device):
+    """The packed kernels with each forward switch and backward loop form, against the packed torch path."""
+    forward_switches, backward_config = KERNEL_SWITCHES[switches]
+    p = _packed([5, 0, 37, 1, 20], [9, 3, 37, 0, 20], Hq=4, Hkv=2, D=24, sinks=True, device=device)
+    pattern = Pattern.make(p["max_q"], p["max_k"], window=(6, 2), sink_tokens=3)
+    cu = (p["cu_q"], p["cu_k"])
+    q, k, v, dout = (x.transpose(0, 1).unsqueeze(0) for x in (p["q"], p["k"], p["v"], p["dout"]))
+    config = dict(BLOCK_M=32, BLOCK_N=16, num_warps=1, num_stages=1, **forward_switches)
+    out, lse = attention_forward(q, k, v, p["sinks"], pattern, 0.3, config=config, cu_seqlens=cu)
+    ref_out, ref_lse = tiled_forward(q, k, v, p["sinks"], pattern, 0.3, cu_seqlens=cu)
+    assert relative_error(out, ref_out) < 1e-5 and relative_error(lse, ref_lse) < 1e-5
+    dlse = p["dlse"][None]
+    grads = attention_backward(dout, q, k, v, out, lse, dlse, p["sinks"], pattern, 0.3, config=backward_config,
+                               cu_seqlens=cu)
+    ref_grads = tiled_backward(dout, q, k, v, ref_out, ref_lse, dlse, p["sinks"], pattern, 0.3, cu_seqlens=cu)
+    for name, g, r in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads):
+        assert relative_error(g, r) < 1e-4, name
 
 
 def _document_redrawn(p, s):

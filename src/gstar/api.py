@@ -13,51 +13,12 @@ import os
 
 import torch
 
+from . import ops
 from .pattern import Pattern
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _BACKENDS = ("auto", "triton", "torch")
 MAX_HEAD_DIM = 256  # the Triton kernels pad D to a power of two and keep a (BLOCK_M, D) tile in registers
-
-
-def _backend_fns(backend: str):
-    """(forward, backward) of a backend; both take and return the tensors documented in each module."""
-    if backend == "torch":
-        from .reference import tiled_backward, tiled_forward
-        return tiled_forward, tiled_backward
-    from .kernels.backward import attention_backward
-    from .kernels.forward import attention_forward
-    return attention_forward, attention_backward
-
-
-class _Attention(torch.autograd.Function):
-    """Forward saves (q, k, v, out, lse); backward recomputes probabilities from lse (no N x N buffer)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, pattern, scale, backend):
-        forward_fn, _ = _backend_fns(backend)
-        # kernels take float32 sinks; the torch path keeps float64 so that gradcheck sees full precision
-        stat = torch.float32 if backend == "triton" else torch.promote_types(q.dtype, torch.float32)
-        sinks32 = None if sinks is None else sinks.detach().to(stat)          # (Hq,)
-        out, lse = forward_fn(q, k, v, sinks32, pattern, scale)               # (B,Hq,Nq,D), (B,Hq,Nq)
-        ctx.save_for_backward(q, k, v, out, lse, sinks32)
-        ctx.pattern, ctx.scale, ctx.backend = pattern, scale, backend
-        ctx.sinks_dtype = None if sinks is None else sinks.dtype
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse, sinks32 = ctx.saved_tensors
-        _, backward_fn = _backend_fns(ctx.backend)
-        if dout is None:
-            dout = torch.zeros_like(out)
-        elif dout.stride(-1) != 1:  # e.g. the stride-0 gradient of out.sum()
-            dout = dout.contiguous()
-        dq, dk, dv, dsinks = backward_fn(dout, q, k, v, out, lse, dlse, sinks32, ctx.pattern, ctx.scale)
-        if dsinks is not None:
-            dsinks = dsinks.to(ctx.sinks_dtype)
-        return dq, dk, dv, dsinks, None, None, None
 
 
 def _check_tensor(name: str, t, ndim: int):
@@ -158,22 +119,6 @@ def normalize(q, k, v, *, causal, window, sink_tokens, sinks, scale, backend):
     return pattern, scale, backend
 
 
-def _attend(q, k, v, sinks, pattern: Pattern, scale: float, backend: str):
-    """Validated dense attention: ``(out, lse)``, with empty inputs answered without a backend call.
-
-    q: (B, Hq, Nq, D), k, v: (B, Hkv, Nk, D), sinks: (Hq,) or None. out: (B, Hq, Nq, D), lse: (B, Hq, Nq).
-    """
-    B, Hq, Nq, _ = q.shape
-    if B == 0 or Nq == 0 or pattern.nk == 0:
-        out = torch.zeros_like(q)
-        if sinks is None:
-            lse = torch.full((B, Hq, Nq), -math.inf, device=q.device)
-        else:
-            lse = sinks.float().view(1, Hq, 1).expand(B, Hq, Nq)
-        return out, lse
-    return _Attention.apply(q, k, v, sinks, pattern, scale, backend)
-
-
 def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, sinks=None, scale=None,
                     return_lse=False, backend="auto"):
     """Exact attention, memory-efficient, differentiable in q, k, v, sinks and the returned LSE.
@@ -206,7 +151,7 @@ def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
     """
     pattern, scale, backend = normalize(q, k, v, causal=causal, window=window, sink_tokens=sink_tokens,
                                         sinks=sinks, scale=scale, backend=backend)
-    out, lse = _attend(q, k, v, sinks, pattern, scale, backend)
+    out, lse = ops.forward(q, k, v, sinks, pattern.left, pattern.right, pattern.sink_tokens, scale, backend)
     return (out, lse) if return_lse else out
 
 
@@ -234,16 +179,15 @@ def _check_offsets(name: str, offsets: list[int], total_name: str, total: int, m
     longest = max(lengths, default=0)
     if longest > max_seqlen:
         raise ValueError(f"{max_name} must be >= the longest sequence in {name} ({longest}), got {max_seqlen}")
-    return lengths
 
 
 def normalize_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, window,
                      sink_tokens, sinks, scale, backend):
     """Validate every argument of :func:`flash_attention_varlen`.
 
-    Returns ``(lengths_q, lengths_k, window, sink_tokens, scale, backend)`` with the per-sequence lengths as
-    Python lists. Reading them costs one device-to-host copy of both ``cu_seqlens`` (one sync on CUDA),
-    which the per-sequence loop needs anyway.
+    Returns ``(pattern, scale, backend)``, the pattern built on the longest lengths. The values of
+    ``cu_seqlens`` are checked on the host (one device-to-host copy of both, a sync on CUDA) except while
+    ``torch.compile`` traces, where they are data the graph cannot read: there only shapes are checked.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t, 3)
@@ -256,47 +200,20 @@ def normalize_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (num_seqs + 1), got "
                          f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if not isinstance(m, numbers.Integral) or isinstance(m, bool):
+        if not isinstance(m, (numbers.Integral, torch.SymInt)) or isinstance(m, bool):
             raise TypeError(f"{name} must be an int, got {type(m).__name__}")
         if m < 0:
             raise ValueError(f"{name} must be >= 0, got {m}")
     window, sink_tokens, scale, backend = _check_options(
         q, Hq, D, causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks, scale=scale,
         backend=backend)
-    offsets_q, offsets_k = torch.stack((cu_seqlens_q, cu_seqlens_k)).tolist()  # the one sync
-    lengths_q = _check_offsets("cu_seqlens_q", offsets_q, "total_q (q.shape[0])", q.shape[0], "max_seqlen_q",
-                               int(max_seqlen_q))
-    lengths_k = _check_offsets("cu_seqlens_k", offsets_k, "total_k (k.shape[0])", k.shape[0], "max_seqlen_k",
-                               int(max_seqlen_k))
-    return lengths_q, lengths_k, window, sink_tokens, scale, backend
-
-
-def _heads_first(x):
-    """(n, H, D) packed slice -> (1, H, n, D) view (unit last stride kept, no copy)."""
-    return x.transpose(0, 1).unsqueeze(0)
-
-
-def _varlen_per_sequence(q, k, v, sinks, lengths_q, lengths_k, causal, window, sink_tokens, scale, backend):
-    """One dense call per sequence on views of the packed tensors (a single-launch kernel replaces this).
-
-    q: (total_q, Hq, D), k, v: (total_k, Hkv, D), sinks: (Hq,) or None. Returns out (total_q, Hq, D)
-    contiguous and lse (Hq, total_q).
-    """
-    # split is one autograd node whose backward concatenates the pieces' gradients: O(total) work, where
-    # per-sequence slicing would build a zero-filled (total, H, D) gradient per sequence
-    pieces = zip(q.split(lengths_q), k.split(lengths_k), v.split(lengths_k))
-    outs, lses = [], []
-    for q_s, k_s, v_s in pieces:
-        if q_s.shape[0] == 0:
-            continue
-        pattern = Pattern.make(q_s.shape[0], k_s.shape[0], causal=causal, window=window, sink_tokens=sink_tokens)
-        out, lse = _attend(_heads_first(q_s), _heads_first(k_s), _heads_first(v_s), sinks, pattern, scale,
-                           backend)                                    # (1, Hq, n, D), (1, Hq, n)
-        outs.append(out[0].transpose(0, 1))                            # (n, Hq, D)
-        lses.append(lse[0])                                            # (Hq, n)
-    if not outs:
-        return torch.zeros_like(q), torch.empty((q.shape[1], 0), dtype=torch.float32, device=q.device)
-    return torch.cat(outs), torch.cat(lses, dim=1)
+    if not torch.compiler.is_compiling():
+        offsets_q, offsets_k = torch.stack((cu_seqlens_q, cu_seqlens_k)).tolist()  # the one sync
+        _check_offsets("cu_seqlens_q", offsets_q, "total_q (q.shape[0])", q.shape[0], "max_seqlen_q", max_seqlen_q)
+        _check_offsets("cu_seqlens_k", offsets_k, "total_k (k.shape[0])", k.shape[0], "max_seqlen_k", max_seqlen_k)
+    lengths = [m if isinstance(m, torch.SymInt) else int(m) for m in (max_seqlen_q, max_seqlen_k)]
+    pattern = Pattern.make(*lengths, causal=causal, window=window, sink_tokens=sink_tokens)
+    return pattern, scale, backend
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
@@ -335,12 +252,13 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             convention, not ``(total_q, Hq)``); ``-inf`` (or ``sinks[h]``) for rows that see no key.
 
     Returns ``out`` ``(total_q, Hq, D)`` contiguous in q's dtype, or ``(out, lse)``. Differentiable in q,
-    k, v, sinks and the LSE. The values of ``cu_seqlens`` are read on the host once (one device sync on
-    CUDA); for now each sequence is one dense call (one kernel launch per sequence and pass).
+    k, v, sinks and the LSE. One kernel launch per pass covers every sequence (the Triton kernels read
+    ``cu_seqlens`` on the device). Outside ``torch.compile`` the values of ``cu_seqlens`` are checked on
+    the host first (one device sync on CUDA); inside a compiled graph they are trusted.
     """
-    lengths_q, lengths_k, window, sink_tokens, scale, backend = normalize_varlen(
+    pattern, scale, backend = normalize_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, window=window,
         sink_tokens=sink_tokens, sinks=sinks, scale=scale, backend=backend)
-    out, lse = _varlen_per_sequence(q, k, v, sinks, lengths_q, lengths_k, causal, window, sink_tokens, scale,
-                                    backend)
+    out, lse = ops.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, pattern.nq, pattern.nk, sinks, pattern.left,
+                                  pattern.right, pattern.sink_tokens, scale, backend)
     return (out, lse) if return_lse else out

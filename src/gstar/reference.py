@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from .kernels.outputs import empty_packed_like
 from .pattern import Pattern, kv_block_table, q_block_table
 
 
@@ -76,13 +77,30 @@ def _scores(pattern, q_t, k, r0, b, masked, scale, tile):
     return s, keys
 
 
-def tiled_forward(q, k, v, sinks, pattern: Pattern, scale: float, tile: int | None = None):
+def _sequences(cu_seqlens, pattern: Pattern):
+    """``(query rows, key rows, pattern)`` of each packed sequence; reads ``cu_seqlens`` on the host."""
+    cu_q, cu_k = (c.tolist() for c in cu_seqlens)
+    for s in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        yield rows, keys, Pattern.make(rows.stop - rows.start, keys.stop - keys.start,
+                                       window=(pattern.left, pattern.right), sink_tokens=pattern.sink_tokens)
+
+
+def tiled_forward(q, k, v, sinks, pattern: Pattern, scale: float, tile: int | None = None, *, cu_seqlens=None):
     """Online-softmax forward over tiles. Shapes as in ``gstar.kernels.forward.attention_forward``.
 
     q: (B, Hq, Nq, D), k, v: (B, Hkv, Nk, D), sinks: None or (Hq,). Returns out (q's dtype and layout) and
-    lse (B, Hq, Nq) in float32 (float64 for float64 inputs).
+    lse (B, Hq, Nq) in float32 (float64 for float64 inputs). With ``cu_seqlens`` (packed heads-first
+    views, B = 1) each sequence runs on its own and out is a view of a contiguous packed tensor.
     """
     B, Hq, Nq, D = q.shape
+    if cu_seqlens is not None:
+        out = empty_packed_like(q)
+        lse = torch.empty((1, Hq, Nq), dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
+        for rows, keys, p in _sequences(cu_seqlens, pattern):
+            out[:, :, rows], lse[:, :, rows] = tiled_forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], sinks,
+                                                             p, scale, tile)
+        return out, lse
     Hkv = k.shape[1]
     tile = tile or _default_tile(q)
     stat = torch.promote_types(q.dtype, torch.float32)
@@ -114,12 +132,24 @@ def tiled_forward(q, k, v, sinks, pattern: Pattern, scale: float, tile: int | No
 
 
 def tiled_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale: float,
-                   tile: int | None = None):
+                   tile: int | None = None, *, cu_seqlens=None):
     """Backward that recomputes probabilities tile by tile from ``lse``. Returns (dq, dk, dv, dsinks).
 
     dK/dV are accumulated per kv head (summed over its query-head group) in one (B, Hkv, Nk, D) buffer.
+    Gradients keep their input's layout (packed ones, with ``cu_seqlens``, are views of contiguous tensors).
     """
     B, Hq, Nq, D = q.shape
+    if cu_seqlens is not None:
+        grads = [empty_packed_like(t).zero_() for t in (q, k, v)]
+        dsinks = None if sinks is None else torch.zeros_like(sinks)
+        for rows, keys, p in _sequences(cu_seqlens, pattern):
+            g = tiled_backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
+                               lse[:, :, rows], None if dlse is None else dlse[:, :, rows], sinks, p, scale, tile)
+            for grad, part, index in zip(grads, g, (rows, keys, keys)):
+                grad[:, :, index] += part
+            if sinks is not None:
+                dsinks += g[3]
+        return (*grads, dsinks)
     Hkv = k.shape[1]
     tile = tile or _default_tile(q)
     stat = torch.promote_types(q.dtype, torch.float32)
@@ -149,7 +179,7 @@ def tiled_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale
     dsinks = None
     if sinks is not None:
         dsinks = -(torch.exp(sinks.to(stat).view(1, Hq, 1) - lse.to(stat)) * delta).sum(dim=(0, 2))
-    return dq, dk.to(k.dtype), dv.to(v.dtype), dsinks
+    return dq, torch.empty_like(k).copy_(dk), torch.empty_like(v).copy_(dv), dsinks
 
 
 def tiled_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, sinks=None, scale=None,

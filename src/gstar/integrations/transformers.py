@@ -16,6 +16,10 @@ there is no padding), and the attention function picks one of three paths:
 - packed batch (``cu_seq_lens_q/k`` from a flattening collator, or position ids restarting at 0 inside a
   row): :func:`gstar.flash_attention_varlen` on the flattened batch, each document attending only to itself.
 
+Under ``torch.compile`` the plain and ``cu_seq_lens`` paths trace without a graph break; a padding mask,
+whose lengths must be read to unpad, breaks the graph there, and position ids are not searched for
+documents (pass ``cu_seq_lens_q/k`` instead).
+
 What the model asks for and gstar cannot do (attention dropout while training, logit soft-capping, custom
 4-D masks) raises a ``ValueError`` naming the feature instead of being silently ignored.
 """
@@ -190,7 +194,10 @@ def gstar_attention_forward(module, query, key, value, attention_mask, scaling=N
                       _max_length(max_length_k, cu_k), **opts)
     else:
         plan = None
-        if position_ids is not None and position_ids.dim() <= 2 and position_ids.shape[-1] == query.shape[2]:
+        # finding documents in position ids reads them; a compiled graph cannot, so under torch.compile
+        # packed documents must come as cu_seq_lens_q / cu_seq_lens_k (as DataCollatorWithFlattening gives)
+        if (position_ids is not None and position_ids.dim() <= 2 and position_ids.shape[-1] == query.shape[2]
+                and not torch.compiler.is_compiling()):
             plan = _plans.get(position_ids, ("pos", query.shape[0]),
                               lambda: _packing_plan(position_ids, query.shape[0]))
         if plan is None:

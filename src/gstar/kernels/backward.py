@@ -13,7 +13,10 @@ Kernels, each one family specialised by ``tl.constexpr`` flags:
 * ``_sum_partials``: when work is split, each program writes float32 partials and this kernel adds them,
   per KV tile, in a fixed order. Without a split ``_dkdv`` writes dK, dV directly.
 * ``_dq``: one program per (Q tile, query head), visiting the KV blocks of
-  :func:`gstar.pattern.kv_block_table`.
+  :func:`gstar.kernels.ranges.kv_range` (the in-kernel twin of :func:`gstar.pattern.kv_blocks`).
+
+Packed sequences (``VARLEN``) run the same kernels with the sequence on grid axis 2: each program reads
+its sequence's bounds from ``cu_seqlens`` on the device, so one launch per kernel covers every sequence.
 
 Each tile step is one ``@triton.jit`` helper with a ``MASKED`` flag. By default a program walks masked
 boundary ranges and an unmasked interior as separate loops (interior tiles skip the visibility rule of
@@ -33,16 +36,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..pattern import (KV_BAND_END, KV_BAND_START, KV_FULL_END, KV_FULL_START, KV_SINK_END, Q_END, Q_FULL_END,
-                       Q_FULL_START, Q_START, Pattern, kv_block_table, q_block_table)
+from ..pattern import Q_END, Q_FULL_END, Q_FULL_START, Q_START, Pattern, q_block_table
 from . import outputs
 from .configs import BackwardConfig, backward_config, dot_precision, pad_head_dim
+from .ranges import kv_range, q_range, sequence_bounds
 
 LOG2E = math.log2(math.e)
 _LOG2E = tl.constexpr(LOG2E)
-# column positions of the KV block table, as compile-time constants for the kernels
-_KV_SINK_END, _KV_BAND_START, _KV_FULL_START, _KV_FULL_END, _KV_BAND_END = (
-    tl.constexpr(c) for c in (KV_SINK_END, KV_BAND_START, KV_FULL_START, KV_FULL_END, KV_BAND_END))
 # columns of the dK/dV work table (split_plan): the KV tile, then its Q tile ranges like q_block_table's
 W_TILE, W_START, W_FULL_START, W_FULL_END, W_END = range(5)
 _W_TILE, _W_START, _W_FULL_START, _W_FULL_END, _W_END = (tl.constexpr(c) for c in range(5))
@@ -93,28 +93,37 @@ def _visible(rows, cols, nq, nk, left, right, sink_tokens,
 
 @triton.jit
 def _preprocess(
-    O, DO, DLSE, LSE, DELTA, LSE2,
+    O, DO, DLSE, LSE, DELTA, LSE2, CuQ,
     stride_ob, stride_oh, stride_on,        # O: (B, Hq, Nq, D)
     stride_dob, stride_doh, stride_don,     # DO: (B, Hq, Nq, D)
-    stride_lb, stride_lh, stride_ln,        # DLSE: (B, Hq, Nq), any float dtype (read if HAS_DLSE)
-    Hq, nq,                                 # LSE, DELTA, LSE2: (B, Hq, Nq) float32 contiguous
-    HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    stride_dlb, stride_dlh, stride_dln,     # DLSE: (B, Hq, Nq), any float dtype (read if HAS_DLSE)
+    stride_lb, stride_lh, nq,               # LSE, DELTA, LSE2: (B, Hq, Nq) float32, unit last stride
+    HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
 ):
-    """Grid ``(cdiv(Nq, BLOCK_M), Hq, B)``: delta = rowsum(dO * O) - dLSE and lse2 = lse * log2(e)."""
+    """Grid ``(n_tiles, Hq, B)``: delta = rowsum(dO * O) - dLSE and lse2 = lse * log2(e).
+
+    VARLEN: axis 2 is the sequence, rows ``CuQ[b] .. CuQ[b + 1]`` of the packed sequence axis (the batch
+    strides are 0, see ``_forward_kernel``)."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)  # 64-bit from here on: one head's offset may pass 2^31
+    q_start, nq = sequence_bounds(CuQ, b, nq, VARLEN)
+    if pid_m * BLOCK_M >= nq:
+        return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                                    # (BLOCK_M,)
     offs_d = tl.arange(0, D_PAD)                                                        # (D_PAD,)
-    o = _load_rows(O + b * stride_ob + h * stride_oh, offs_m, nq, stride_on, offs_d, True, HEAD_DIM, D_PAD)
-    do = _load_rows(DO + b * stride_dob + h * stride_doh, offs_m, nq, stride_don, offs_d, True, HEAD_DIM, D_PAD)
+    o_head = O + b * stride_ob + h * stride_oh + q_start * stride_on
+    do_head = DO + b * stride_dob + h * stride_doh + q_start * stride_don
+    o = _load_rows(o_head, offs_m, nq, stride_on, offs_d, True, HEAD_DIM, D_PAD)
+    do = _load_rows(do_head, offs_m, nq, stride_don, offs_d, True, HEAD_DIM, D_PAD)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)                        # (BLOCK_M,)
     rows = offs_m < nq
     if HAS_DLSE:
-        dlse = tl.load(DLSE + b * stride_lb + h * stride_lh + offs_m.to(tl.int64) * stride_ln, mask=rows,
-                       other=0.0)
+        dlse_head = DLSE + b * stride_dlb + h * stride_dlh + q_start * stride_dln
+        dlse = tl.load(dlse_head + offs_m.to(tl.int64) * stride_dln, mask=rows, other=0.0)
         delta -= dlse.to(tl.float32)
-    row_ptr = (b * Hq + h) * nq + offs_m
+    row_ptr = b * stride_lb + h * stride_lh + q_start + offs_m
     lse = tl.load(LSE + row_ptr, mask=rows, other=0.0)
     # an empty row (lse = -inf, no sinks) sees no key, so it only meets masked tiles: there exp2(s - lse2)
     # is +inf (never NaN, s is finite) and the mask replaces it by 0
@@ -159,25 +168,28 @@ def _dkdv_step(
 
 @triton.jit
 def _dkdv(
-    Q, K, V, DO, LSE2, DELTA, DK, DV, WORK,
+    Q, K, V, DO, LSE2, DELTA, DK, DV, WORK, CuQ, CuK,
     stride_qb, stride_qh, stride_qn,        # Q: (B, Hq, Nq, D)
     stride_kb, stride_kh, stride_kn,        # K: (B, Hkv, Nk, D)
     stride_vb, stride_vh, stride_vn,        # V: (B, Hkv, Nk, D)
     stride_dob, stride_doh, stride_don,     # DO: (B, Hq, Nq, D)
     stride_dkb, stride_dkh, stride_dkn,     # DK: (B, Hkv, Nk, D) (unused if SPLIT)
     stride_dvb, stride_dvh, stride_dvn,     # DV: (B, Hkv, Nk, D) (unused if SPLIT)
-    Hq, nq, nk, head_splits, n_items,       # LSE2, DELTA: (B, Hq, Nq) float32; WORK: (n_items, 5) int32
+    stride_lb, stride_lh,                   # LSE2, DELTA: (B, Hq, Nq) float32, unit last stride
+    nq, nk, head_splits, n_items,           # WORK: (n_items, 5) int32 (read if SPLIT)
     left, right, sink_tokens, scale, qk_scale,
-    SPLIT: tl.constexpr, FLAT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_SINK_TOKENS: tl.constexpr, PRECISION: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    SPLIT: tl.constexpr, FLAT: tl.constexpr, VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr, PRECISION: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
 ):
     """Grid ``(n_items, Hkv * head_splits, B)``: dK, dV of one KV tile of one kv head, summed over
-    ``GROUP // head_splits`` query heads and the Q tiles of one work item (see :func:`split_plan`).
+    ``GROUP // head_splits`` query heads and the Q tiles of one work item.
 
-    Without SPLIT every KV tile is one item and the whole group one split: the result goes to DK, DV in
-    their dtype. With SPLIT, DK and DV are float32 partials ``(B, Hkv, head_splits, n_items, BLOCK_N,
-    D_PAD)`` contiguous, summed by ``_sum_partials``.
+    Without SPLIT every KV tile is one item, whose Q tiles :func:`gstar.kernels.ranges.q_range` finds, and
+    the whole group one split: the result goes to DK, DV in their dtype. With SPLIT (dense only) the items
+    come from WORK (see :func:`split_plan`), and DK and DV are float32 partials ``(B, Hkv, head_splits,
+    n_items, BLOCK_N, D_PAD)`` contiguous, summed by ``_sum_partials``. VARLEN: axis 2 is the sequence,
+    found through CuQ, CuK (see ``_forward_kernel``); n_items covers the longest one.
     """
     item = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -185,16 +197,27 @@ def _dkdv(
     hkv = (pid_h // head_splits).to(tl.int64)
     split = pid_h % head_splits
     heads = GROUP // head_splits
-    row = WORK + item * 5
-    tile = tl.load(row + _W_TILE)
-    m_start = tl.load(row + _W_START)
-    m_full_start = tl.load(row + _W_FULL_START)
-    m_full_end = tl.load(row + _W_FULL_END)
-    m_end = tl.load(row + _W_END)
+    q_start, nq = sequence_bounds(CuQ, b, nq, VARLEN)
+    k_start, nk = sequence_bounds(CuK, b, nk, VARLEN)
+    if SPLIT:
+        row = WORK + item * 5
+        tile = tl.load(row + _W_TILE)
+        m_start = tl.load(row + _W_START)
+        m_full_start = tl.load(row + _W_FULL_START)
+        m_full_end = tl.load(row + _W_FULL_END)
+        m_end = tl.load(row + _W_END)
+    else:
+        tile = item
+        if tile * BLOCK_N >= nk:  # packed sequences shorter than the longest one
+            return
+        m_start, m_full_start, m_full_end, m_end = q_range(tile * BLOCK_N, nq, nk, left, right, sink_tokens,
+                                                           BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)                                     # (BLOCK_N,)
     offs_d = tl.arange(0, D_PAD)                                                        # (D_PAD,)
-    k = _load_rows(K + b * stride_kb + hkv * stride_kh, offs_n, nk, stride_kn, offs_d, True, HEAD_DIM, D_PAD)
-    v = _load_rows(V + b * stride_vb + hkv * stride_vh, offs_n, nk, stride_vn, offs_d, True, HEAD_DIM, D_PAD)
+    k_head = K + b * stride_kb + hkv * stride_kh + k_start * stride_kn
+    v_head = V + b * stride_vb + hkv * stride_vh + k_start * stride_vn
+    k = _load_rows(k_head, offs_n, nk, stride_kn, offs_d, True, HEAD_DIM, D_PAD)
+    v = _load_rows(v_head, offs_n, nk, stride_vn, offs_d, True, HEAD_DIM, D_PAD)
     dk = tl.zeros((BLOCK_N, D_PAD), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, D_PAD), dtype=tl.float32)
     if FLAT:  # one pipelined loop over (head, Q tile) pairs, every tile masked
@@ -202,18 +225,20 @@ def _dkdv(
         for it in range(0, heads * n_m):
             h = hkv * GROUP + split * heads + it // n_m
             m = m_start + it % n_m
-            q_head, do_head = Q + b * stride_qb + h * stride_qh, DO + b * stride_dob + h * stride_doh
-            lse2_head, delta_head = LSE2 + (b * Hq + h) * nq, DELTA + (b * Hq + h) * nq
+            q_head = Q + b * stride_qb + h * stride_qh + q_start * stride_qn
+            do_head = DO + b * stride_dob + h * stride_doh + q_start * stride_don
+            lse2_head = LSE2 + b * stride_lb + h * stride_lh + q_start
+            delta_head = DELTA + b * stride_lb + h * stride_lh + q_start
             dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, m * BLOCK_M, stride_qn,
                                 stride_don, offs_n, offs_d, nq, nk, left, right, sink_tokens, qk_scale, True,
                                 HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, BLOCK_M, HEAD_DIM, D_PAD, PRECISION)
     else:
         for g in range(split * heads, split * heads + heads):
             h = hkv * GROUP + g
-            q_head = Q + b * stride_qb + h * stride_qh
-            do_head = DO + b * stride_dob + h * stride_doh
-            lse2_head = LSE2 + (b * Hq + h) * nq
-            delta_head = DELTA + (b * Hq + h) * nq
+            q_head = Q + b * stride_qb + h * stride_qh + q_start * stride_qn
+            do_head = DO + b * stride_dob + h * stride_doh + q_start * stride_don
+            lse2_head = LSE2 + b * stride_lb + h * stride_lh + q_start
+            delta_head = DELTA + b * stride_lb + h * stride_lh + q_start
             for m in range(m_start, m_full_start):
                 dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, m * BLOCK_M, stride_qn,
                                     stride_don, offs_n, offs_d, nq, nk, left, right, sink_tokens, qk_scale, True,
@@ -233,8 +258,10 @@ def _dkdv(
         tl.store(DK + slot + tile_offs, dk * scale)
         tl.store(DV + slot + tile_offs, dv)
     else:
-        _store_rows(DK + b * stride_dkb + hkv * stride_dkh, offs_n, nk, stride_dkn, offs_d, dk * scale, HEAD_DIM)
-        _store_rows(DV + b * stride_dvb + hkv * stride_dvh, offs_n, nk, stride_dvn, offs_d, dv, HEAD_DIM)
+        dk_head = DK + b * stride_dkb + hkv * stride_dkh + k_start * stride_dkn
+        dv_head = DV + b * stride_dvb + hkv * stride_dvh + k_start * stride_dvn
+        _store_rows(dk_head, offs_n, nk, stride_dkn, offs_d, dk * scale, HEAD_DIM)
+        _store_rows(dv_head, offs_n, nk, stride_dvn, offs_d, dv, HEAD_DIM)
 
 
 @triton.jit
@@ -298,39 +325,42 @@ def _dq_step(
 
 @triton.jit
 def _dq(
-    Q, K, V, DO, LSE2, DELTA, DQ, KVTABLE,
+    Q, K, V, DO, LSE2, DELTA, DQ, CuQ, CuK,
     stride_qb, stride_qh, stride_qn,        # Q: (B, Hq, Nq, D)
     stride_kb, stride_kh, stride_kn,        # K: (B, Hkv, Nk, D)
     stride_vb, stride_vh, stride_vn,        # V: (B, Hkv, Nk, D)
     stride_dob, stride_doh, stride_don,     # DO: (B, Hq, Nq, D)
     stride_dqb, stride_dqh, stride_dqn,     # DQ: (B, Hq, Nq, D)
-    Hq, nq, nk,                             # LSE2, DELTA: (B, Hq, Nq) float32; KVTABLE: (cdiv(Nq, BLOCK_M), 5) int32
+    stride_lb, stride_lh, nq, nk,           # LSE2, DELTA: (B, Hq, Nq) float32, unit last stride
     left, right, sink_tokens, scale, qk_scale,
-    FLAT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
-    PRECISION: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    FLAT: tl.constexpr, VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SINK_TOKENS: tl.constexpr, PRECISION: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
 ):
-    """Grid ``(cdiv(Nq, BLOCK_M), Hq, B)``: dQ of one Q tile of one query head."""
+    """Grid ``(n_tiles, Hq, B)``: dQ of one Q tile of one query head, over the KV blocks that
+    :func:`gstar.kernels.ranges.kv_range` finds. VARLEN: axis 2 is the sequence (see ``_forward_kernel``)."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
+    q_start, nq = sequence_bounds(CuQ, b, nq, VARLEN)
+    k_start, nk = sequence_bounds(CuK, b, nk, VARLEN)
+    if pid_m * BLOCK_M >= nq:  # packed sequences shorter than the longest one
+        return
     hkv = h // GROUP
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                                    # (BLOCK_M,)
     offs_d = tl.arange(0, D_PAD)                                                        # (D_PAD,)
-    q = _load_rows(Q + b * stride_qb + h * stride_qh, offs_m, nq, stride_qn, offs_d, True, HEAD_DIM, D_PAD)
-    do = _load_rows(DO + b * stride_dob + h * stride_doh, offs_m, nq, stride_don, offs_d, True, HEAD_DIM, D_PAD)
+    q_head = Q + b * stride_qb + h * stride_qh + q_start * stride_qn
+    do_head = DO + b * stride_dob + h * stride_doh + q_start * stride_don
+    q = _load_rows(q_head, offs_m, nq, stride_qn, offs_d, True, HEAD_DIM, D_PAD)
+    do = _load_rows(do_head, offs_m, nq, stride_don, offs_d, True, HEAD_DIM, D_PAD)
     rows = offs_m < nq
-    row_ptr = (b * Hq + h) * nq + offs_m
+    row_ptr = b * stride_lb + h * stride_lh + q_start + offs_m
     lse2 = tl.load(LSE2 + row_ptr, mask=rows, other=float("inf"))                       # (BLOCK_M,)
     delta = tl.load(DELTA + row_ptr, mask=rows, other=0.0)                              # (BLOCK_M,)
-    k_head = K + b * stride_kb + hkv * stride_kh
-    v_head = V + b * stride_vb + hkv * stride_vh
-    ranges = KVTABLE + pid_m * 5
-    sink_end = tl.load(ranges + _KV_SINK_END)
-    band_start = tl.load(ranges + _KV_BAND_START)
-    full_start = tl.load(ranges + _KV_FULL_START)
-    full_end = tl.load(ranges + _KV_FULL_END)
-    band_end = tl.load(ranges + _KV_BAND_END)
+    k_head = K + b * stride_kb + hkv * stride_kh + k_start * stride_kn
+    v_head = V + b * stride_vb + hkv * stride_vh + k_start * stride_vn
+    sink_end, band_start, full_start, full_end, band_end = kv_range(
+        pid_m * BLOCK_M, nq, nk, left, right, sink_tokens, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     dq = tl.zeros((BLOCK_M, D_PAD), dtype=tl.float32)
     if FLAT:  # one pipelined loop over the sink blocks then the band, every block masked
         for i in range(0, sink_end + band_end - band_start):
@@ -355,7 +385,8 @@ def _dq(
             dq = _dq_step(dq, q, do, lse2, delta, k_head, v_head, n * BLOCK_N, stride_kn, stride_vn, offs_m, offs_d,
                           nq, nk, left, right, sink_tokens, qk_scale, True, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
                           BLOCK_N, HEAD_DIM, D_PAD, PRECISION)
-    _store_rows(DQ + b * stride_dqb + h * stride_dqh, offs_m, nq, stride_dqn, offs_d, dq * scale, HEAD_DIM)
+    dq_head = DQ + b * stride_dqb + h * stride_dqh + q_start * stride_dqn
+    _store_rows(dq_head, offs_m, nq, stride_dqn, offs_d, dq * scale, HEAD_DIM)
 
 
 @functools.lru_cache(maxsize=16)
@@ -429,7 +460,8 @@ def split_plan(pattern: Pattern, block_m: int, block_n: int, group: int, program
 
 
 def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale: float, *,
-                       config: BackwardConfig | None = None):
+                       config: BackwardConfig | None = None,
+                       cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Gradients of attention (DESIGN.md section 1) from the forward's output and LSE.
 
     Args:
@@ -441,55 +473,70 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
         pattern: the normalised :class:`gstar.pattern.Pattern`; scale: multiplies ``q . k``.
         config: a :class:`BackwardConfig` overriding :func:`backward_config` (tests use other tiles, splits
             and loop forms; scripts/tune-backward sweeps them).
+        cu_seqlens: ``(cu_q, cu_k)`` for packed sequences, as in
+            :func:`gstar.kernels.forward.attention_forward` (B = 1, the sequence axis is total_q / total_k,
+            ``pattern`` holds the longest lengths). The dK/dV work is never split then.
 
-    Returns ``(dq, dk, dv, dsinks)``: dq like q, dk like k, dv like v (dtype and memory layout), dsinks
+    Returns ``(dq, dk, dv, dsinks)``: dq like q, dk like k, dv like v (dtype and memory layout; packed:
+    heads-first views of contiguous packed tensors), dsinks
     ``(Hq,)`` float32 or ``None``. Bitwise deterministic on one device (the split depends on its SM
     count): no atomics, fixed loop and summation order.
     """
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
+    varlen = cu_seqlens is not None
+    like = outputs.empty_packed_like if varlen else outputs.empty_like
     if B * Hq * Nq == 0 or Nk == 0:
-        grads = [outputs.empty_like(t).zero_() for t in (q, k, v)]
-        dsinks = None if sinks is None else torch.zeros(Hq, dtype=torch.float32, device=q.device)
+        grads = [like(t).zero_() for t in (q, k, v)]
+        dsinks = None
+        if sinks is not None:  # no keys: out = 0 and lse = sinks[h], so only the LSE's gradient reaches them
+            dsinks = torch.zeros(Hq, dtype=torch.float32, device=q.device)
+            if dlse is not None:
+                dsinks += dlse.float().sum(dim=(0, 2))
         return (*grads, dsinks)
     cfg = config or backward_config(D, q.dtype, pattern, q.device)
     d_pad = pad_head_dim(D)
+    cu_q, cu_k = cu_seqlens if varlen else (lse, lse)  # any pointer when VARLEN is off
+    seqs = cu_q.shape[0] - 1 if varlen else B
 
-    delta = outputs.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)        # (B, Hq, Nq)
-    lse2 = outputs.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)         # (B, Hq, Nq)
+    def strides(t):  # packed sequences are found through cu_seqlens, not a batch stride
+        return (0 if varlen else t.stride(0)), t.stride(1), t.stride(2)
+
+    delta = outputs.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)        # like lse
+    lse2 = outputs.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)         # like lse
     dl = delta if dlse is None else dlse  # any valid pointer when HAS_DLSE is off
     rows = min(128, max(16, 4096 // d_pad))  # two (rows, D_PAD) tiles of a memory-bound pass: no spills
-    _preprocess[(triton.cdiv(Nq, rows), Hq, B)](
-        out, dout, dl, lse, delta, lse2,
-        out.stride(0), out.stride(1), out.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2),
-        dl.stride(0), dl.stride(1), dl.stride(2),
-        Hq, Nq,
-        HAS_DLSE=dlse is not None, BLOCK_M=rows, HEAD_DIM=D, D_PAD=d_pad, num_warps=4,
+    _preprocess[(triton.cdiv(pattern.nq, rows), Hq, seqs)](
+        out, dout, dl, lse, delta, lse2, cu_q, *strides(out), *strides(dout), *strides(dl), *strides(lse)[:2],
+        Nq, HAS_DLSE=dlse is not None, VARLEN=varlen, BLOCK_M=rows, HEAD_DIM=D, D_PAD=d_pad, num_warps=4,
     )
 
     group = Hq // Hkv
     shared = dict(
         HAS_LEFT=pattern.left >= 0, HAS_RIGHT=pattern.right >= 0, HAS_SINK_TOKENS=pattern.sink_tokens > 0,
-        PRECISION=dot_precision(q.dtype), GROUP=group, HEAD_DIM=D, D_PAD=d_pad, FLAT=cfg.flat,
+        PRECISION=dot_precision(q.dtype), GROUP=group, HEAD_DIM=D, D_PAD=d_pad, FLAT=cfg.flat, VARLEN=varlen,
     )
     runtime = (pattern.left, pattern.right, pattern.sink_tokens, scale, scale * LOG2E)
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
+    operands = (*strides(q), *strides(k), *strides(v), *strides(dout))
 
-    dk, dv = outputs.empty_like(k), outputs.empty_like(v)
-    head_splits, work, first = split_plan(pattern, cfg.dkdv_m, cfg.dkdv_n, group, Hkv * B, q.device,
-                                          head_splits=cfg.head_splits, q_chunk=cfg.q_chunk)
-    n_tiles, n_items = first.shape[0] - 1, work.shape[0]
+    dk, dv = like(k), like(v)
+    if varlen:
+        head_splits, work, first = 1, lse, None
+        n_items = n_tiles = triton.cdiv(pattern.nk, cfg.dkdv_n)
+    else:
+        head_splits, work, first = split_plan(pattern, cfg.dkdv_m, cfg.dkdv_n, group, Hkv * B, q.device,
+                                              head_splits=cfg.head_splits, q_chunk=cfg.q_chunk)
+        n_tiles, n_items = first.shape[0] - 1, work.shape[0]
     split = head_splits > 1 or n_items > n_tiles
     pk, pv = dk, dv
     if split:
         parts = (B, Hkv, head_splits, n_items, cfg.dkdv_n, d_pad)
         pk = outputs.empty(parts, dtype=torch.float32, device=q.device)
         pv = outputs.empty(parts, dtype=torch.float32, device=q.device)
-    _dkdv[(n_items, Hkv * head_splits, B)](
-        q, k, v, dout, lse2, delta, pk, pv, work, *strides, *dk.stride()[:3], *dv.stride()[:3],
-        Hq, Nq, Nk, head_splits, n_items, *runtime, SPLIT=split, BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n,
-        num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **shared,
+    _dkdv[(n_items, Hkv * head_splits, seqs)](
+        q, k, v, dout, lse2, delta, pk, pv, work, cu_q, cu_k, *operands, *strides(dk), *strides(dv),
+        *strides(lse)[:2], Nq, Nk, head_splits, n_items, *runtime, SPLIT=split, BLOCK_M=cfg.dkdv_m,
+        BLOCK_N=cfg.dkdv_n, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **shared,
     )
     if split:
         _sum_partials[(n_tiles, Hkv, B)](
@@ -498,12 +545,11 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
             num_warps=4,
         )
 
-    dq = outputs.empty_like(q)
-    kv_table = kv_block_table(pattern, cfg.dq_m, cfg.dq_n, q.device)               # (cdiv(Nq, m), 5)
-    _dq[(triton.cdiv(Nq, cfg.dq_m), Hq, B)](
-        q, k, v, dout, lse2, delta, dq, kv_table, *strides, *dq.stride()[:3],
-        Hq, Nq, Nk, *runtime, BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n, num_warps=cfg.dq_warps,
-        num_stages=cfg.dq_stages, **shared,
+    dq = like(q)
+    _dq[(triton.cdiv(pattern.nq, cfg.dq_m), Hq, seqs)](
+        q, k, v, dout, lse2, delta, dq, cu_q, cu_k, *operands, *strides(dq), *strides(lse)[:2], Nq, Nk,
+        *runtime, BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+        **shared,
     )
 
     dsinks = None

@@ -1,7 +1,8 @@
 """The Triton forward kernel: one program per (Q tile, query heads, batch), online softmax over KV blocks.
 
 Each program loads its ``(BLOCK_M, D)`` Q tile once and walks the KV blocks that
-:func:`gstar.pattern.kv_block_table` lists for it, in four ranges: sink-token blocks, the leading boundary
+:func:`gstar.kernels.ranges.kv_range` (the in-kernel twin of :func:`gstar.pattern.kv_blocks`) finds for it,
+in four ranges: sink-token blocks, the leading boundary
 of the window band, the fully visible interior, and the trailing boundary. Only boundary blocks evaluate
 the visibility rule; the interior runs without any mask arithmetic. The softmax runs in base 2 with
 ``scale * log2(e)`` folded into one FMA per score; a learned sink starts each row's running max (and its
@@ -9,8 +10,9 @@ running sum at 1), so it costs nothing inside the loop.
 
 Switches, chosen per call by :func:`gstar.kernels.configs.forward_config` and timed by
 ``scripts/tune-forward``: ``PACK_GQA`` stacks several query heads of one GQA group in a tile so each K/V
-block is loaded once for all of them; ``FOLD_SCALE`` (positive scales only) takes the max over raw scores; ``TILES_FASTEST`` reorders the grid; ``FLAT`` walks
-the window band in one masked loop (narrow windows).
+block is loaded once for all of them; ``FOLD_SCALE`` (positive scales only) takes the max over raw
+scores; ``TILES_FASTEST`` reorders the grid; ``FLAT`` walks the window band in one masked loop (narrow
+windows); ``VARLEN`` reads each sequence's bounds from ``cu_seqlens`` (packed sequences, one launch).
 """
 
 from __future__ import annotations
@@ -21,18 +23,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import pattern as _pat
-from ..pattern import Pattern, kv_block_table
+from ..pattern import Pattern
 from . import outputs
 from .configs import dot_precision, forward_config, pad_head_dim
+from .ranges import kv_range, sequence_bounds
 
 LOG2E = math.log2(math.e)
 _LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(math.log(2.0))
-# column positions of the KV block table, as compile-time constants for the kernel
-_KV_SINK_END, _KV_BAND_START = tl.constexpr(_pat.KV_SINK_END), tl.constexpr(_pat.KV_BAND_START)
-_KV_FULL_START, _KV_FULL_END = tl.constexpr(_pat.KV_FULL_START), tl.constexpr(_pat.KV_FULL_END)
-_KV_BAND_END, _KV_COLUMNS = tl.constexpr(_pat.KV_BAND_END), tl.constexpr(5)
 
 
 @triton.jit
@@ -110,26 +108,31 @@ def _attend_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_
 
 # sequence lengths and window bounds change from call to call: specialising on them (== 1, % 16) would
 # recompile the kernel for new lengths and buys nothing, since they only enter masks and loop bounds
-@triton.jit(do_not_specialize=["Nq", "Nk", "offset", "left", "right", "sink_tokens"])
+@triton.jit(do_not_specialize=["Nq", "Nk", "left", "right", "sink_tokens"])
 def _forward_kernel(
-        Q, K, V, Sinks, Out, Lse, Table,
+        Q, K, V, Sinks, Out, Lse, CuQ, CuK,
         stride_qb, stride_qh, stride_qm,
         stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn,
         stride_ob, stride_oh, stride_om,
-        Hq, group, Nq, Nk, offset, left, right, sink_tokens, qk_scale,
+        stride_lb, stride_lh,
+        group, Nq, Nk, left, right, sink_tokens, qk_scale,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, EVEN_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr,
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
         HAS_SINKS: tl.constexpr, FOLD_SCALE: tl.constexpr, TILES_FASTEST: tl.constexpr,
-        FLAT: tl.constexpr, PRECISION: tl.constexpr):
-    """Grid ``(Hq // PACK, cdiv(Nq, BLOCK_M // PACK), B)``, its first two axes swapped if TILES_FASTEST.
+        FLAT: tl.constexpr, VARLEN: tl.constexpr, PRECISION: tl.constexpr):
+    """Grid ``(Hq // PACK, n_tiles, B)``, its first two axes swapped if TILES_FASTEST.
 
-    Q, Out: (B, Hq, Nq, HEAD_DIM); K, V: (B, Hkv, Nk, HEAD_DIM), Hkv = Hq // group; all with unit last
-    stride. Sinks: (Hq,) float32 (read only if HAS_SINKS); Lse: (B, Hq, Nq) float32
-    contiguous; Table: (cdiv(Nq, BLOCK_M // PACK), 5) int32 from ``kv_block_table`` with tiles of
-    BLOCK_M // PACK rows. qk_scale = scale * log2(e), and > 0 if FOLD_SCALE.
-    EVEN_D: HEAD_DIM == D_PAD, so that whole blocks load without any mask.
+    Dense (VARLEN off): Q, Out: (B, Hq, Nq, HEAD_DIM); K, V: (B, Hkv, Nk, HEAD_DIM); Lse: (B, Hq, Nq)
+    float32 with strides (stride_lb, stride_lh, 1); n_tiles = cdiv(Nq, BLOCK_M // PACK).
+    Packed (VARLEN on): axis 2 is the sequence s, whose rows are ``CuQ[s] .. CuQ[s + 1]`` of Q, Out:
+    (total_q, Hq, HEAD_DIM) and keys ``CuK[s] .. CuK[s + 1]`` of K, V: (total_k, Hkv, HEAD_DIM) (batch
+    strides 0); Lse: (Hq, total_q); CuQ, CuK: (B + 1,) int32; n_tiles covers the longest sequence and the
+    tiles past a shorter one exit at once; Nq, Nk are unused.
+    All with unit last stride; Hkv = Hq // group. Sinks: (Hq,) float32 (read only if HAS_SINKS).
+    qk_scale = scale * log2(e), and > 0 if FOLD_SCALE. EVEN_D: HEAD_DIM == D_PAD, so that whole blocks
+    load without any mask.
     PACK: query heads of one GQA group (PACK divides group) stacked in one tile of BLOCK_M rows, PACK
     heads times BLOCK_M // PACK positions: each K/V block is loaded once for all of them.
     FLAT: walk the window band in one loop with every block masked, instead of masked / unmasked / masked.
@@ -142,8 +145,12 @@ def _forward_kernel(
     h0 = tl.program_id(HEAD_AXIS) * PACK  # first query head of this tile
     tile = tl.num_programs(1 - HEAD_AXIS) - 1 - tl.program_id(1 - HEAD_AXIS)
     b = tl.program_id(2).to(tl.int64)  # 64-bit offsets from here on: one head's offset may pass 2^31
-    h_kv = (h0 // group).to(tl.int64)
+    q_start, Nq = sequence_bounds(CuQ, b, Nq, VARLEN)
+    k_start, Nk = sequence_bounds(CuK, b, Nk, VARLEN)
     row_start = tile * ROWS
+    if row_start >= Nq:  # packed sequences shorter than the longest one
+        return
+    h_kv = (h0 // group).to(tl.int64)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -153,13 +160,16 @@ def _forward_kernel(
     row_ok = rows < Nq
     d_ok = offs_d < HEAD_DIM  # (D_PAD,) all true unless D was padded to a power of two
 
-    q_rows = b * stride_qb + heads.to(tl.int64) * stride_qh + rows.to(tl.int64) * stride_qm  # (BLOCK_M,)
+    tokens = q_start + rows  # (BLOCK_M,) row of Q / Out along their sequence axis
+    q_rows = b * stride_qb + heads.to(tl.int64) * stride_qh + tokens * stride_qm  # (BLOCK_M,)
     q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :],
                 other=0.0)  # (BLOCK_M, D_PAD)
-    k_ptrs = K + b * stride_kb + h_kv * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None]  # K^T
-    v_ptrs = V + b * stride_vb + h_kv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
-    lo_key = rows + offset - left   # (BLOCK_M,) window bounds of each row, used by masked blocks only
-    hi_key = rows + offset + right
+    k_first = b * stride_kb + h_kv * stride_kh + k_start * stride_kn
+    v_first = b * stride_vb + h_kv * stride_vh + k_start * stride_vn
+    k_ptrs = K + k_first + offs_n[None, :] * stride_kn + offs_d[:, None]  # (D_PAD, BLOCK_N) K^T
+    v_ptrs = V + v_first + offs_n[:, None] * stride_vn + offs_d[None, :]  # (BLOCK_N, D_PAD)
+    lo_key = rows + (Nk - Nq) - left   # (BLOCK_M,) window bounds of each row, used by masked blocks only
+    hi_key = rows + (Nk - Nq) + right
 
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     if HAS_SINKS:
@@ -170,12 +180,8 @@ def _forward_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
-    ranges = Table + tile * _KV_COLUMNS
-    sink_end = tl.load(ranges + _KV_SINK_END)
-    band_start = tl.load(ranges + _KV_BAND_START)
-    full_start = tl.load(ranges + _KV_FULL_START)
-    full_end = tl.load(ranges + _KV_FULL_END)
-    band_end = tl.load(ranges + _KV_BAND_END)
+    sink_end, band_start, full_start, full_end, band_end = kv_range(
+        row_start, Nq, Nk, left, right, sink_tokens, ROWS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
     may_be_empty: tl.constexpr = not HAS_SINKS
     if HAS_SINK_TOKENS:
@@ -208,23 +214,29 @@ def _forward_kernel(
     out = (acc / l_safe[:, None]).to(q.dtype)  # Out has q's dtype
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * _LN2)  # natural log
 
-    o_rows = b * stride_ob + heads.to(tl.int64) * stride_oh + rows.to(tl.int64) * stride_om
+    o_rows = b * stride_ob + heads.to(tl.int64) * stride_oh + tokens * stride_om
     tl.store(Out + o_rows[:, None] + offs_d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(Lse + (b * Hq + heads) * Nq + rows, lse, mask=row_ok)  # Lse is contiguous (B, Hq, Nq)
+    tl.store(Lse + b * stride_lb + heads.to(tl.int64) * stride_lh + tokens, lse, mask=row_ok)
 
 
-def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: dict | None = None):
+def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: dict | None = None, *,
+                      cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Attention forward on validated inputs; returns ``(out, lse)``.
 
-    q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D); float16/bfloat16/float32, any strides with unit last stride
-    (never copied). sinks: None or (Hq,) float32, unscaled. pattern: normalised :class:`Pattern`.
-    ``config`` overrides :func:`forward_config` (same keys; missing switches take its defaults), for tests
-    and tuning. The switches are requests: ``FOLD_SCALE`` is ignored for scale <= 0,
+    Dense: q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D); pattern: the normalised :class:`Pattern` of the
+    batch. Packed (``cu_seqlens=(cu_q, cu_k)``, each (num_seqs + 1,) int32 on q's device): q: (1, Hq,
+    total_q, D), k, v: (1, Hkv, total_k, D) (heads-first views of the packed tensors), and ``pattern``
+    carries the window and the longest lengths (max_seqlen_q, max_seqlen_k); each sequence gets its own
+    pattern inside the kernel, with nothing read on the host.
+    float16/bfloat16/float32, any strides with unit last stride (never copied). sinks: None or (Hq,)
+    float32, unscaled. ``config`` overrides :func:`forward_config` (same keys; missing switches take its
+    defaults), for tests and tuning. The switches are requests: ``FOLD_SCALE`` is ignored for scale <= 0,
     and ``PACK_GQA`` shrinks to the largest power of two dividing the GQA group.
 
-    out: (B, Hq, Nq, D) in q's dtype and memory layout, zero rows where no key is visible.
-    lse: (B, Hq, Nq) float32 natural-log logsumexp with the sink term; ``-inf`` (or ``sinks[h]``) for
-    rows that see no key.
+    out: q's shape and dtype, zero rows where no key is visible; dense: in q's memory layout, packed: a
+    heads-first view of a contiguous (total_q, Hq, D) tensor.
+    lse: (B, Hq, Nq), or (1, Hq, total_q) when packed, float32 contiguous natural-log logsumexp with the
+    sink term; ``-inf`` (or ``sinks[h]``) for rows that see no key.
     """
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -233,25 +245,27 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     pack = math.gcd(cfg["PACK_GQA"], Hq // Hkv, block_m)
     rows = block_m // pack  # positions per tile and head
-    out = outputs.empty_like(q)                                                     # (B, Hq, Nq, D)
+    varlen = cu_seqlens is not None
+    out = (outputs.empty_packed_like if varlen else outputs.empty_like)(q)         # q's shape
     lse = outputs.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)         # (B, Hq, Nq)
-    table = kv_block_table(pattern, rows, block_n, q.device)                       # (n_tiles, 5)
     d_pad = pad_head_dim(D)
-    grid = (Hq // pack, triton.cdiv(Nq, rows), B)
+    cu_q, cu_k = cu_seqlens if varlen else (lse, lse)  # any pointer when VARLEN is off
+    seqs = cu_q.shape[0] - 1 if varlen else B
+    grid = (Hq // pack, triton.cdiv(pattern.nq, rows), seqs)
     if cfg["TILES_FASTEST"]:
-        grid = (grid[1], grid[0], B)
+        grid = (grid[1], grid[0], seqs)
+
+    def strides(t):  # packed sequences are found through cu_seqlens, not a batch stride
+        return (0 if varlen else t.stride(0)), t.stride(1), t.stride(2)
+
     _forward_kernel[grid](
-        q, k, v, sinks, out, lse, table,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        Hq, Hq // Hkv, Nq, Nk, pattern.offset, pattern.left, pattern.right, pattern.sink_tokens,
-        scale * LOG2E,
+        q, k, v, sinks, out, lse, cu_q, cu_k,
+        *strides(q), *strides(k), *strides(v), *strides(out), *strides(lse)[:2],
+        Hq // Hkv, Nq, Nk, pattern.left, pattern.right, pattern.sink_tokens, scale * LOG2E,
         HEAD_DIM=D, D_PAD=d_pad, EVEN_D=d_pad == D, BLOCK_M=block_m, BLOCK_N=block_n, PACK=pack,
         HAS_LEFT=pattern.left >= 0, HAS_RIGHT=pattern.right >= 0, HAS_SINK_TOKENS=pattern.sink_tokens > 0,
         HAS_SINKS=sinks is not None, FOLD_SCALE=bool(cfg["FOLD_SCALE"]) and scale > 0,
-        TILES_FASTEST=bool(cfg["TILES_FASTEST"]), FLAT=bool(cfg["FLAT"]),
+        TILES_FASTEST=bool(cfg["TILES_FASTEST"]), FLAT=bool(cfg["FLAT"]), VARLEN=varlen,
         PRECISION=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out, lse

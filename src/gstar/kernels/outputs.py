@@ -22,3 +22,10 @@ def empty(shape, *, dtype, device) -> torch.Tensor:
     """A fresh contiguous buffer, NaN-filled under ``GSTAR_POISON=1``."""
     out = torch.empty(shape, dtype=dtype, device=device)
     return out.fill_(float("nan")) if POISON else out
+
+
+def empty_packed_like(t: torch.Tensor, dtype=None) -> torch.Tensor:
+    """For a heads-first view ``t`` (1, H, N, D) of a packed (N, H, D) tensor: the same view of a fresh
+    contiguous (N, H, D) buffer, whatever ``t``'s strides (packed outputs are always contiguous)."""
+    _, H, N, D = t.shape
+    return empty((N, H, D), dtype=dtype or t.dtype, device=t.device).transpose(0, 1).unsqueeze(0)

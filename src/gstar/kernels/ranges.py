@@ -1,0 +1,104 @@
+"""Tile ranges computed inside the kernels: the Triton twins of :func:`gstar.pattern.kv_blocks` and
+:func:`gstar.pattern.q_blocks`, and the per-sequence bounds of packed (varlen) inputs.
+
+The kernels work out which blocks a tile visits from a few scalars instead of reading a host-built table:
+with packed sequences the lengths live in ``cu_seqlens`` on the device, and a host table would need them on
+the host (a sync, and a graph break under ``torch.compile``). The Python functions in :mod:`gstar.pattern`
+stay the specification; ``tests/test_ranges.py`` checks these against them tile by tile. Every division
+here has a non-negative numerator (Triton's integer division truncates towards zero, Python's floors).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def sequence_bounds(Cu, seq, n, VARLEN: tl.constexpr):
+    """``(start, length)`` of sequence ``seq``: rows ``Cu[seq] .. Cu[seq + 1]`` of a packed tensor when
+    VARLEN (Cu: (num_seqs + 1,) int32 cumulative lengths), else ``(0, n)`` (a dense batch row). ``start``
+    has ``seq``'s integer type, so an int64 ``seq`` gives 64-bit offsets."""
+    if VARLEN:
+        first = tl.load(Cu + seq)
+        length = tl.load(Cu + seq + 1) - first
+        start = first.to(seq.dtype)
+    else:
+        start = seq * 0
+        length = n
+    return start, length
+
+
+@triton.jit
+def kv_range(row_start, nq, nk, left, right, sink_tokens, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """KV blocks of ``BLOCK_N`` keys that the Q tile of rows ``[row_start, row_start + ROWS)`` visits:
+    ``(sink_end, band_start, full_start, full_end, band_end)`` exactly as :func:`gstar.pattern.kv_blocks`
+    (``sink_tokens`` is 0 without a left bound)."""
+    offset = nk - nq
+    row_end = tl.minimum(row_start + ROWS, nq)
+    pmin = row_start + offset
+    pmax = row_end - 1 + offset
+    lo = 0
+    hi = nk
+    if HAS_LEFT:
+        lo = tl.minimum(tl.maximum(pmin - left, 0), nk)
+    if HAS_RIGHT:
+        hi = tl.maximum(tl.minimum(pmax + right + 1, nk), 0)
+    sink_blocks = (tl.minimum(sink_tokens, hi) + BLOCK_N - 1) // BLOCK_N  # sink keys obey the right bound
+    empty = hi <= lo
+    band_start = lo // BLOCK_N
+    band_end = (hi + BLOCK_N - 1) // BLOCK_N
+    sink_end = tl.minimum(sink_blocks, band_start)
+    full_start = band_start
+    if HAS_LEFT:
+        full_start = tl.maximum(band_start, (tl.maximum(pmax - left, 0) + BLOCK_N - 1) // BLOCK_N)
+    full_end = tl.minimum(band_end, nk // BLOCK_N)
+    if HAS_RIGHT:
+        full_end = tl.minimum(full_end, tl.maximum(pmin + right + 1, 0) // BLOCK_N)
+    no_interior = full_end <= full_start
+    full_start = tl.where(no_interior, band_end, full_start)
+    full_end = tl.where(no_interior, band_end, full_end)
+    # an empty band leaves only the sink blocks, as one masked range
+    sink_end = tl.where(empty, sink_blocks, sink_end)
+    band_start = tl.where(empty, sink_blocks, band_start)
+    full_start = tl.where(empty, sink_blocks, full_start)
+    full_end = tl.where(empty, sink_blocks, full_end)
+    band_end = tl.where(empty, sink_blocks, band_end)
+    return sink_end, band_start, full_start, full_end, band_end
+
+
+@triton.jit
+def q_range(key_start, nq, nk, left, right, sink_tokens, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Q tiles of ``BLOCK_M`` rows that see a key of the block ``[key_start, key_start + BLOCK_N)``:
+    ``(start, full_start, full_end, end)`` exactly as :func:`gstar.pattern.q_blocks`."""
+    offset = nk - nq
+    key_end = tl.minimum(key_start + BLOCK_N, nk)
+    rmin = 0
+    rmax = nq
+    if HAS_RIGHT:
+        rmin = tl.maximum(key_start - right - offset, 0)  # first row whose right bound reaches the block
+    if HAS_LEFT:
+        # rows after the last one whose left bound reaches the block; a sink key is seen by every later row
+        reach = tl.minimum(key_end + left - offset, nq)
+        rmax = tl.where(key_start >= sink_tokens, reach, nq)
+    empty = rmax <= rmin
+    start = rmin // BLOCK_M
+    end = (tl.maximum(rmax, 0) + BLOCK_M - 1) // BLOCK_M
+    full_start = start
+    if HAS_RIGHT:
+        full_start = tl.maximum(start, (tl.maximum(key_end - 1 - right - offset, 0) + BLOCK_M - 1) // BLOCK_M)
+    full_end = tl.minimum(end, nq // BLOCK_M)
+    if HAS_LEFT:
+        first_plain_key = tl.maximum(key_start, sink_tokens)  # smallest key that needs the left bound
+        plain_end = tl.maximum(first_plain_key + left - offset + 1, 0) // BLOCK_M
+        full_end = tl.where(key_end > sink_tokens, tl.minimum(full_end, plain_end), full_end)
+    no_interior = (key_end - key_start < BLOCK_N) | (full_end <= full_start)
+    full_start = tl.where(no_interior, end, full_start)
+    full_end = tl.where(no_interior, end, full_end)
+    start = tl.where(empty, 0, start)
+    full_start = tl.where(empty, 0, full_start)
+    full_end = tl.where(empty, 0, full_end)
+    end = tl.where(empty, 0, end)
+    return start, full_start, full_end, end
