@@ -151,7 +151,7 @@ def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
     """
     pattern, scale, backend = normalize(q, k, v, causal=causal, window=window, sink_tokens=sink_tokens,
                                         sinks=sinks, scale=scale, backend=backend)
-    out, lse = ops.forward(q, k, v, sinks, pattern.left, pattern.right, pattern.sink_tokens, scale, backend)
+    out, lse = ops.attention(q, k, v, sinks, pattern.left, pattern.right, pattern.sink_tokens, scale, backend)
     return (out, lse) if return_lse else out
 
 
@@ -259,6 +259,6 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     pattern, scale, backend = normalize_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, window=window,
         sink_tokens=sink_tokens, sinks=sinks, scale=scale, backend=backend)
-    out, lse = ops.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, pattern.nq, pattern.nk, sinks, pattern.left,
+    out, lse = ops.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, pattern.nq, pattern.nk, sinks, pattern.left,
                                   pattern.right, pattern.sink_tokens, scale, backend)
     return (out, lse) if return_lse else out

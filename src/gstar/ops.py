@@ -59,8 +59,7 @@ def _no_sink_grad(q):
 # ---------------------------------------------------------------------------------------------- dense
 
 
-@torch.library.custom_op("gstar::forward", mutates_args=())
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, left: int,
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, left: int,
             right: int, sink_tokens: int, scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """q: (B, Hq, Nq, D), k, v: (B, Hkv, Nk, D), sinks: (Hq,) any float dtype or None.
     Returns out (q's shape, dtype and layout) and lse (B, Hq, Nq) float32 (float64 for float64 inputs)."""
@@ -72,14 +71,16 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tens
     return forward_fn(q, k, v, None if sinks is None else sinks.to(_stat(q.dtype)), pattern, scale)
 
 
+forward = torch.library.custom_op("gstar::forward", _forward, mutates_args=())
+
+
 @forward.register_fake
 def _(q, k, v, sinks, left, right, sink_tokens, scale, backend):
     B, Hq, Nq, _ = q.shape
     return torch.empty_like(q), q.new_empty((B, Hq, Nq), dtype=_stat(q.dtype))
 
 
-@torch.library.custom_op("gstar::backward", mutates_args=())
-def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, dlse: torch.Tensor | None, sinks: torch.Tensor | None, left: int, right: int,
              sink_tokens: int, scale: float, backend: str
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -92,6 +93,9 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return dq, dk, dv, _no_sink_grad(q) if dsinks is None else dsinks
 
 
+backward = torch.library.custom_op("gstar::backward", _backward, mutates_args=())
+
+
 @backward.register_fake
 def _(dout, q, k, v, out, lse, dlse, sinks, left, right, sink_tokens, scale, backend):
     dsinks = _no_sink_grad(q) if sinks is None else q.new_empty(sinks.shape, dtype=_stat(q.dtype))
@@ -101,8 +105,7 @@ def _(dout, q, k, v, out, lse, dlse, sinks, left, right, sink_tokens, scale, bac
 # --------------------------------------------------------------------------------------------- packed
 
 
-@torch.library.custom_op("gstar::varlen_forward", mutates_args=())
-def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+def _varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, sinks: torch.Tensor | None,
                    left: int, right: int, sink_tokens: int, scale: float, backend: str
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,14 +123,16 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
     return out[0].transpose(0, 1), lse[0]
 
 
+varlen_forward = torch.library.custom_op("gstar::varlen_forward", _varlen_forward, mutates_args=())
+
+
 @varlen_forward.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, left, right, sink_tokens, scale,
       backend):
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=_stat(q.dtype))
 
 
-@torch.library.custom_op("gstar::varlen_backward", mutates_args=())
-def varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+def _varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, dlse: torch.Tensor | None, cu_seqlens_q: torch.Tensor,
                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, sinks: torch.Tensor | None,
                     left: int, right: int, sink_tokens: int, scale: float, backend: str
@@ -143,6 +148,9 @@ def varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     return (*grads, _no_sink_grad(q) if dsinks is None else dsinks)
 
 
+varlen_backward = torch.library.custom_op("gstar::varlen_backward", _varlen_backward, mutates_args=())
+
+
 @varlen_backward.register_fake
 def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, left, right,
       sink_tokens, scale, backend):
@@ -153,27 +161,20 @@ def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
 # ------------------------------------------------------------------------------------------- autograd
 
 
-def _save(ctx, inputs, output):
-    """Keep what the backward op needs: the forward's inputs (tensors saved, the rest as attributes)."""
+def _save(ctx, inputs, output, varlen: bool, backward_fn):
+    """Keep what the backward needs: the forward's inputs (tensors saved, the rest as attributes), and
+    the backward to call (the operator inside a traced graph, its plain function in eager mode)."""
     tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
     ctx.save_for_backward(*tensors, *output)
     ctx.non_tensors = [a for a in inputs if not isinstance(a, torch.Tensor)]
-    ctx.has_sinks = inputs[7 if ctx.varlen else 3] is not None
+    ctx.varlen, ctx.backward_fn = varlen, backward_fn
+    ctx.has_sinks = inputs[7 if varlen else 3] is not None
     # a forward that returned only out (or only lse) gets None, not zeros, for the other's gradient
     ctx.set_materialize_grads(False)
 
 
-def _setup_dense(ctx, inputs, output):
-    ctx.varlen = False
-    _save(ctx, inputs, output)
-
-
-def _setup_varlen(ctx, inputs, output):
-    ctx.varlen = True
-    _save(ctx, inputs, output)
-
-
 def _gradients(ctx, dout, dlse):
+    """(dq, dk, dv, dsinks) from the saved forward and the gradients of (out, lse)."""
     saved = list(ctx.saved_tensors)
     out, lse = saved[-2:]
     sinks = saved[-3] if ctx.has_sinks else None
@@ -185,12 +186,12 @@ def _gradients(ctx, dout, dlse):
     if ctx.varlen:
         q, k, v, cu_q, cu_k = saved[:5]
         max_q, max_k = ctx.non_tensors[:2]
-        dq, dk, dv, dsinks = varlen_backward(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, sinks,
+        dq, dk, dv, dsinks = ctx.backward_fn(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, sinks,
                                              left, right, sink_tokens, scale, backend)
     else:
         q, k, v = saved[:3]
-        dq, dk, dv, dsinks = backward(dout, q, k, v, out, lse, dlse, sinks, left, right, sink_tokens, scale,
-                                      backend)
+        dq, dk, dv, dsinks = ctx.backward_fn(dout, q, k, v, out, lse, dlse, sinks, left, right, sink_tokens,
+                                             scale, backend)
     dsinks = None if sinks is None else dsinks.to(sinks.dtype)
     return dq, dk, dv, dsinks
 
@@ -205,5 +206,50 @@ def _varlen_grads(ctx, dout, dlse):
     return dq, dk, dv, None, None, None, None, dsinks, None, None, None, None, None
 
 
-forward.register_autograd(_dense_grads, setup_context=_setup_dense)
-varlen_forward.register_autograd(_varlen_grads, setup_context=_setup_varlen)
+forward.register_autograd(_dense_grads, setup_context=lambda ctx, inputs, output: _save(
+    ctx, inputs, output, False, backward))
+varlen_forward.register_autograd(_varlen_grads, setup_context=lambda ctx, inputs, output: _save(
+    ctx, inputs, output, True, varlen_backward))
+
+
+class _Dense(torch.autograd.Function):
+    """Eager-mode autograd around the plain functions: the same formula as the operators' without the
+    torch.library dispatch, which costs more host time per call than a small kernel takes on the GPU."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _forward(*inputs)
+        _save(ctx, inputs, output, False, _backward)
+        return output
+
+    backward = staticmethod(_dense_grads)
+
+
+class _Varlen(torch.autograd.Function):
+    """:class:`_Dense` for packed sequences."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _varlen_forward(*inputs)
+        _save(ctx, inputs, output, True, _varlen_backward)
+        return output
+
+    backward = staticmethod(_varlen_grads)
+
+
+def attention(q, k, v, sinks, left: int, right: int, sink_tokens: int, scale: float, backend: str):
+    """``(out, lse)`` of dense attention, differentiable: the ``gstar::forward`` operator while
+    ``torch.compile`` traces, the same functions through a plain ``autograd.Function`` otherwise."""
+    if torch.compiler.is_compiling():
+        return forward(q, k, v, sinks, left, right, sink_tokens, scale, backend)
+    return _Dense.apply(q, k, v, sinks, left, right, sink_tokens, scale, backend)
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, sinks, left: int,
+                     right: int, sink_tokens: int, scale: float, backend: str):
+    """``(out, lse)`` of packed attention, as :func:`attention` (operator ``gstar::varlen_forward``)."""
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, left, right, sink_tokens, scale,
+            backend)
+    if torch.compiler.is_compiling():
+        return varlen_forward(*args)
+    return _Varlen.apply(*args)
