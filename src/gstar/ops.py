@@ -5,7 +5,10 @@
 formula that calls its backward op, and every op has a fake implementation (shapes, dtypes and strides
 only, no data read), so ``torch.compile`` traces through them without a graph break and AOTAutograd can
 put the backward op in the backward graph. The public entry points (:mod:`gstar.api`) validate their
-arguments and call these ops; the ops trust what they receive.
+arguments and call :func:`attention` / :func:`varlen_attention`: these use the operators while
+``torch.compile`` traces, and the operators' plain functions through an ``autograd.Function`` in eager mode
+(the torch.library autograd dispatch costs about 45 us of host time per forward, more than a small
+kernel's GPU time; ``scripts/dispatch-overhead``). Neither path checks its inputs again.
 
 Why ``torch.library.custom_op`` and not ``triton_op``: the launch settings (tile tables, dK/dV split
 plans, cached per shape on the host) and the CPU path (tiled PyTorch, which reads ``cu_seqlens`` on the
