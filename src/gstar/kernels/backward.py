@@ -1,9 +1,12 @@
 """The Triton backward: dQ, dK, dV and dsinks, recomputing probabilities from the forward's LSE.
 
-Kernels, each one family specialised by ``tl.constexpr`` flags:
+Kernels, each one family specialised by ``tl.constexpr`` flags, in launch order:
 
-* ``_preprocess``: ``delta_i = rowsum(dO_i * O_i) - dLSE_i`` and the LSE in base 2, so that the main
-  kernels compute ``P = exp2(s * scale * log2(e) - lse2)`` with one multiply folded into the scores.
+* ``_dq``: one program per (Q tile, query head). It first derives its rows'
+  ``delta_i = rowsum(dO_i * O_i) - dLSE_i`` and base-2 LSE (stored for ``_dkdv``, so that both compute
+  ``P = exp2(s * scale * log2(e) - lse2)`` with one multiply folded into the scores) and its share of
+  dsinks, then visits the KV blocks of :func:`gstar.kernels.ranges.kv_range` (the in-kernel twin of
+  :func:`gstar.pattern.kv_blocks`).
 * ``_dkdv``: one program per (work item, kv head, head split). A work item is a KV tile, or a chunk of the
   Q tiles that see it (:func:`gstar.pattern.q_block_table`), and a head split a slice of the kv head's
   GQA group; the program keeps K, V and the dK, dV accumulators on chip while it walks those (head,
@@ -12,8 +15,6 @@ Kernels, each one family specialised by ``tl.constexpr`` flags:
   a single program per tile would leave SMs idle behind one long program.
 * ``_sum_partials``: when work is split, each program writes float32 partials and this kernel adds them,
   per KV tile, in a fixed order. Without a split ``_dkdv`` writes dK, dV directly.
-* ``_dq``: one program per (Q tile, query head), visiting the KV blocks of
-  :func:`gstar.kernels.ranges.kv_range` (the in-kernel twin of :func:`gstar.pattern.kv_blocks`).
 
 Packed sequences (``VARLEN``) run the same kernels with the sequence on grid axis 2: each program reads
 its sequence's bounds from ``cu_seqlens`` on the device, so one launch per kernel covers every sequence.
@@ -89,47 +90,6 @@ def _visible(rows, cols, nq, nk, left, right, sink_tokens,
             inside = inside | (cols < sink_tokens)
         ok = ok & inside
     return ok
-
-
-@triton.jit
-def _preprocess(
-    O, DO, DLSE, LSE, DELTA, LSE2, CuQ,
-    stride_ob, stride_oh, stride_on,        # O: (B, Hq, Nq, D)
-    stride_dob, stride_doh, stride_don,     # DO: (B, Hq, Nq, D)
-    stride_dlb, stride_dlh, stride_dln,     # DLSE: (B, Hq, Nq), any float dtype (read if HAS_DLSE)
-    stride_lb, stride_lh, nq,               # LSE, DELTA, LSE2: (B, Hq, Nq) float32, unit last stride
-    HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-):
-    """Grid ``(n_tiles, Hq, B)``: delta = rowsum(dO * O) - dLSE and lse2 = lse * log2(e).
-
-    VARLEN: axis 2 is the sequence, rows ``CuQ[b] .. CuQ[b + 1]`` of the packed sequence axis (the batch
-    strides are 0, see ``_forward_kernel``)."""
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)  # 64-bit from here on: one head's offset may pass 2^31
-    q_start, nq = sequence_bounds(CuQ, b, nq, VARLEN)
-    if pid_m * BLOCK_M >= nq:
-        return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                                    # (BLOCK_M,)
-    offs_d = tl.arange(0, D_PAD)                                                        # (D_PAD,)
-    o_head = O + b * stride_ob + h * stride_oh + q_start * stride_on
-    do_head = DO + b * stride_dob + h * stride_doh + q_start * stride_don
-    o = _load_rows(o_head, offs_m, nq, stride_on, offs_d, True, HEAD_DIM, D_PAD)
-    do = _load_rows(do_head, offs_m, nq, stride_don, offs_d, True, HEAD_DIM, D_PAD)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)                        # (BLOCK_M,)
-    rows = offs_m < nq
-    if HAS_DLSE:
-        dlse_head = DLSE + b * stride_dlb + h * stride_dlh + q_start * stride_dln
-        dlse = tl.load(dlse_head + offs_m.to(tl.int64) * stride_dln, mask=rows, other=0.0)
-        delta -= dlse.to(tl.float32)
-    row_ptr = b * stride_lb + h * stride_lh + q_start + offs_m
-    lse = tl.load(LSE + row_ptr, mask=rows, other=0.0)
-    # an empty row (lse = -inf, no sinks) sees no key, so it only meets masked tiles: there exp2(s - lse2)
-    # is +inf (never NaN, s is finite) and the mask replaces it by 0
-    lse2 = lse * _LOG2E
-    tl.store(DELTA + row_ptr, delta, mask=rows)
-    tl.store(LSE2 + row_ptr, lse2, mask=rows)
 
 
 @triton.jit
@@ -325,38 +285,62 @@ def _dq_step(
 
 @triton.jit
 def _dq(
-    Q, K, V, DO, LSE2, DELTA, DQ, CuQ, CuK,
+    Q, K, V, O, DO, DLSE, LSE, Sinks, LSE2, DELTA, DQ, DSINKS, CuQ, CuK,
     stride_qb, stride_qh, stride_qn,        # Q: (B, Hq, Nq, D)
     stride_kb, stride_kh, stride_kn,        # K: (B, Hkv, Nk, D)
     stride_vb, stride_vh, stride_vn,        # V: (B, Hkv, Nk, D)
+    stride_ob, stride_oh, stride_on,        # O: (B, Hq, Nq, D)
     stride_dob, stride_doh, stride_don,     # DO: (B, Hq, Nq, D)
     stride_dqb, stride_dqh, stride_dqn,     # DQ: (B, Hq, Nq, D)
-    stride_lb, stride_lh, nq, nk,           # LSE2, DELTA: (B, Hq, Nq) float32, unit last stride
+    stride_dlb, stride_dlh, stride_dln,     # DLSE: (B, Hq, Nq), any float dtype (read if HAS_DLSE)
+    stride_lb, stride_lh, nq, nk,           # LSE, LSE2, DELTA: (B, Hq, Nq) float32, unit last stride
     left, right, sink_tokens, scale, qk_scale,
-    FLAT: tl.constexpr, VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_SINK_TOKENS: tl.constexpr, PRECISION: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    HAS_DLSE: tl.constexpr, HAS_SINKS: tl.constexpr, FLAT: tl.constexpr, VARLEN: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr, PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
 ):
     """Grid ``(n_tiles, Hq, B)``: dQ of one Q tile of one query head, over the KV blocks that
-    :func:`gstar.kernels.ranges.kv_range` finds. VARLEN: axis 2 is the sequence (see ``_forward_kernel``)."""
+    :func:`gstar.kernels.ranges.kv_range` finds. VARLEN: axis 2 is the sequence (see ``_forward_kernel``).
+
+    The program first derives its rows' statistics, ``delta = rowsum(dO * O) - dLSE`` and the base-2 LSE,
+    and stores them to DELTA and LSE2 for ``_dkdv`` (launched after it). With HAS_SINKS it also stores this
+    tile's share of dsinks[h], ``-sum_rows exp(sinks[h] - lse) * delta``, to DSINKS: (B, n_tiles, Hq) float32.
+    """
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     q_start, nq = sequence_bounds(CuQ, b, nq, VARLEN)
     k_start, nk = sequence_bounds(CuK, b, nk, VARLEN)
+    dsink_slot = DSINKS + (b * tl.num_programs(0) + pid_m) * tl.num_programs(1) + h
     if pid_m * BLOCK_M >= nq:  # packed sequences shorter than the longest one
+        if HAS_SINKS:
+            tl.store(dsink_slot, 0.0)
         return
     hkv = h // GROUP
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                                    # (BLOCK_M,)
     offs_d = tl.arange(0, D_PAD)                                                        # (D_PAD,)
     q_head = Q + b * stride_qb + h * stride_qh + q_start * stride_qn
     do_head = DO + b * stride_dob + h * stride_doh + q_start * stride_don
+    o_head = O + b * stride_ob + h * stride_oh + q_start * stride_on
     q = _load_rows(q_head, offs_m, nq, stride_qn, offs_d, True, HEAD_DIM, D_PAD)
     do = _load_rows(do_head, offs_m, nq, stride_don, offs_d, True, HEAD_DIM, D_PAD)
+    o = _load_rows(o_head, offs_m, nq, stride_on, offs_d, True, HEAD_DIM, D_PAD)
     rows = offs_m < nq
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)                        # (BLOCK_M,)
+    if HAS_DLSE:
+        dlse_head = DLSE + b * stride_dlb + h * stride_dlh + q_start * stride_dln
+        delta -= tl.load(dlse_head + offs_m.to(tl.int64) * stride_dln, mask=rows, other=0.0).to(tl.float32)
     row_ptr = b * stride_lb + h * stride_lh + q_start + offs_m
-    lse2 = tl.load(LSE2 + row_ptr, mask=rows, other=float("inf"))                       # (BLOCK_M,)
-    delta = tl.load(DELTA + row_ptr, mask=rows, other=0.0)                              # (BLOCK_M,)
+    # an empty row (lse = -inf, no sinks) sees no key, so it only meets masked tiles: there exp2(s - lse2)
+    # is +inf (never NaN, s is finite) and the mask replaces it by 0; rows past the end get +inf, so 0
+    lse2 = tl.load(LSE + row_ptr, mask=rows, other=float("inf")) * _LOG2E               # (BLOCK_M,)
+    tl.store(DELTA + row_ptr, delta, mask=rows)
+    tl.store(LSE2 + row_ptr, lse2, mask=rows)
+    if HAS_SINKS:
+        # with sinks every lse is finite (>= sinks[h]); rows past the end have delta = 0 and lse2 = inf
+        p_sink = tl.math.exp2(tl.load(Sinks + h) * _LOG2E - lse2)                       # (BLOCK_M,)
+        tl.store(dsink_slot, -tl.sum(p_sink * delta, axis=0))
     k_head = K + b * stride_kb + hkv * stride_kh + k_start * stride_kn
     v_head = V + b * stride_vb + hkv * stride_vh + k_start * stride_vn
     sink_end, band_start, full_start, full_end, band_end = kv_range(
@@ -505,11 +489,6 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
     delta = outputs.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)        # like lse
     lse2 = outputs.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)         # like lse
     dl = delta if dlse is None else dlse  # any valid pointer when HAS_DLSE is off
-    rows = min(128, max(16, 4096 // d_pad))  # two (rows, D_PAD) tiles of a memory-bound pass: no spills
-    _preprocess[(triton.cdiv(pattern.nq, rows), Hq, seqs)](
-        out, dout, dl, lse, delta, lse2, cu_q, *strides(out), *strides(dout), *strides(dl), *strides(lse)[:2],
-        Nq, HAS_DLSE=dlse is not None, VARLEN=varlen, BLOCK_M=rows, HEAD_DIM=D, D_PAD=d_pad, num_warps=4,
-    )
 
     group = Hq // Hkv
     shared = dict(
@@ -518,6 +497,19 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
     )
     runtime = (pattern.left, pattern.right, pattern.sink_tokens, scale, scale * LOG2E)
     operands = (*strides(q), *strides(k), *strides(v), *strides(dout))
+
+    # dQ first: its programs also store delta and lse2, which every dK/dV program reads
+    dq = like(q)
+    n_q_tiles = triton.cdiv(pattern.nq, cfg.dq_m)
+    shares = outputs.empty((seqs, n_q_tiles, Hq) if sinks is not None else (1,), dtype=torch.float32,
+                           device=q.device)                                    # (B, n_q_tiles, Hq) of dsinks
+    _dq[(n_q_tiles, Hq, seqs)](
+        q, k, v, out, dout, dl, lse, sinks, lse2, delta, dq, shares, cu_q, cu_k, *strides(q), *strides(k),
+        *strides(v), *strides(out), *strides(dout), *strides(dq), *strides(dl), *strides(lse)[:2], Nq, Nk,
+        *runtime, HAS_DLSE=dlse is not None, HAS_SINKS=sinks is not None, BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n,
+        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, **shared,
+    )
+    dsinks = None if sinks is None else shares.sum(dim=(0, 1))                       # (Hq,) fixed order
 
     dk, dv = like(k), like(v)
     if varlen:
@@ -545,16 +537,4 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
             num_warps=4,
         )
 
-    dq = like(q)
-    _dq[(triton.cdiv(pattern.nq, cfg.dq_m), Hq, seqs)](
-        q, k, v, dout, lse2, delta, dq, cu_q, cu_k, *operands, *strides(dq), *strides(lse)[:2], Nq, Nk,
-        *runtime, BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
-        **shared,
-    )
-
-    dsinks = None
-    if sinks is not None:
-        # with sinks every lse is finite (>= sinks[h]); a plain float32 reduction, no atomics
-        p_sink = torch.exp(sinks.view(1, Hq, 1) - lse)                                  # (B, Hq, Nq)
-        dsinks = -(p_sink * delta).sum(dim=(0, 2))                                      # (Hq,)
     return dq, dk, dv, dsinks
