@@ -5,8 +5,8 @@ Kernels, each one family specialised by ``tl.constexpr`` flags, in launch order:
 * ``_dq``: one program per (Q tile, query head). It first derives its rows'
   ``delta_i = rowsum(dO_i * O_i) - dLSE_i`` and base-2 LSE (stored for ``_dkdv``, so that both compute
   ``P = exp2(s * scale * log2(e) - lse2)`` with one multiply folded into the scores) and its share of
-  dsinks, then visits the KV blocks of :func:`gstar.kernels.ranges.kv_range` (the in-kernel twin of
-  :func:`gstar.pattern.kv_blocks`).
+  dsinks, then visits the KV blocks of :func:`gstar.pattern.kv_block_table` (packed sequences:
+  :func:`gstar.kernels.ranges.kv_range`, its in-kernel twin).
 * ``_dkdv``: one program per (work item, kv head, head split). A work item is a KV tile, or a chunk of the
   Q tiles that see it (:func:`gstar.pattern.q_block_table`), and a head split a slice of the kv head's
   GQA group; the program keeps K, V and the dK, dV accumulators on chip while it walks those (head,
@@ -37,13 +37,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ..pattern import Q_END, Q_FULL_END, Q_FULL_START, Q_START, Pattern, q_block_table
+from ..pattern import (KV_BAND_END, KV_BAND_START, KV_FULL_END, KV_FULL_START, KV_SINK_END, Q_END, Q_FULL_END,
+                       Q_FULL_START, Q_START, Pattern, kv_block_table, q_block_table)
 from . import outputs
 from .configs import BackwardConfig, backward_config, dot_precision, pad_head_dim
 from .ranges import kv_range, q_range, sequence_bounds
 
 LOG2E = math.log2(math.e)
 _LOG2E = tl.constexpr(LOG2E)
+# column positions of the KV block table, as compile-time constants for the kernels
+_KV_SINK_END, _KV_BAND_START, _KV_FULL_START, _KV_FULL_END, _KV_BAND_END = (
+    tl.constexpr(c) for c in (KV_SINK_END, KV_BAND_START, KV_FULL_START, KV_FULL_END, KV_BAND_END))
 # columns of the dK/dV work table (split_plan): the KV tile, then its Q tile ranges like q_block_table's
 W_TILE, W_START, W_FULL_START, W_FULL_END, W_END = range(5)
 _W_TILE, _W_START, _W_FULL_START, _W_FULL_END, _W_END = (tl.constexpr(c) for c in range(5))
@@ -136,7 +140,7 @@ def _dkdv(
     stride_dkb, stride_dkh, stride_dkn,     # DK: (B, Hkv, Nk, D) (unused if SPLIT)
     stride_dvb, stride_dvh, stride_dvn,     # DV: (B, Hkv, Nk, D) (unused if SPLIT)
     stride_lb, stride_lh,                   # LSE2, DELTA: (B, Hq, Nq) float32, unit last stride
-    nq, nk, head_splits, n_items,           # WORK: (n_items, 5) int32 (read if SPLIT)
+    nq, nk, head_splits, n_items,           # WORK: (n_items, 5) int32 (dense only)
     left, right, sink_tokens, scale, qk_scale,
     SPLIT: tl.constexpr, FLAT: tl.constexpr, VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr, PRECISION: tl.constexpr, GROUP: tl.constexpr,
@@ -145,11 +149,12 @@ def _dkdv(
     """Grid ``(n_items, Hkv * head_splits, B)``: dK, dV of one KV tile of one kv head, summed over
     ``GROUP // head_splits`` query heads and the Q tiles of one work item.
 
-    Without SPLIT every KV tile is one item, whose Q tiles :func:`gstar.kernels.ranges.q_range` finds, and
-    the whole group one split: the result goes to DK, DV in their dtype. With SPLIT (dense only) the items
-    come from WORK (see :func:`split_plan`), and DK and DV are float32 partials ``(B, Hkv, head_splits,
-    n_items, BLOCK_N, D_PAD)`` contiguous, summed by ``_sum_partials``. VARLEN: axis 2 is the sequence,
-    found through CuQ, CuK (see ``_forward_kernel``); n_items covers the longest one.
+    Dense: the items and their Q tile ranges come from WORK (see :func:`split_plan`). VARLEN: axis 2 is the
+    sequence, found through CuQ, CuK (see ``_forward_kernel``), every KV tile of the longest one is an item,
+    and :func:`gstar.kernels.ranges.q_range` finds its Q tiles. Without SPLIT every KV tile is one item and
+    the whole group one split: the result goes to DK, DV in their dtype. With SPLIT (dense only) DK and DV
+    are float32 partials ``(B, Hkv, head_splits, n_items, BLOCK_N, D_PAD)`` contiguous, summed by
+    ``_sum_partials``.
     """
     item = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -159,19 +164,21 @@ def _dkdv(
     heads = GROUP // head_splits
     q_start, nq = sequence_bounds(CuQ, b, nq, VARLEN)
     k_start, nk = sequence_bounds(CuK, b, nk, VARLEN)
-    if SPLIT:
+    if VARLEN:
+        tile = item
+        if tile * BLOCK_N >= nk:  # tiles past a shorter packed sequence
+            return
+        m_start, m_full_start, m_full_end, m_end = q_range(tile * BLOCK_N, nq, nk, left, right, sink_tokens,
+                                                           BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    else:
+        # a dense batch reads its ranges from the host-built table: computing them here (as packed sequences
+        # must) measured slower, e.g. dK/dV at D = 128 full attention 8.6 -> 9.6 ms on an H200
         row = WORK + item * 5
         tile = tl.load(row + _W_TILE)
         m_start = tl.load(row + _W_START)
         m_full_start = tl.load(row + _W_FULL_START)
         m_full_end = tl.load(row + _W_FULL_END)
         m_end = tl.load(row + _W_END)
-    else:
-        tile = item
-        if tile * BLOCK_N >= nk:  # packed sequences shorter than the longest one
-            return
-        m_start, m_full_start, m_full_end, m_end = q_range(tile * BLOCK_N, nq, nk, left, right, sink_tokens,
-                                                           BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)                                     # (BLOCK_N,)
     offs_d = tl.arange(0, D_PAD)                                                        # (D_PAD,)
     k_head = K + b * stride_kb + hkv * stride_kh + k_start * stride_kn
@@ -285,7 +292,7 @@ def _dq_step(
 
 @triton.jit
 def _dq(
-    Q, K, V, O, DO, DLSE, LSE, Sinks, LSE2, DELTA, DQ, DSINKS, CuQ, CuK,
+    Q, K, V, O, DO, DLSE, LSE, Sinks, LSE2, DELTA, DQ, DSINKS, KVTABLE, CuQ, CuK,
     stride_qb, stride_qh, stride_qn,        # Q: (B, Hq, Nq, D)
     stride_kb, stride_kh, stride_kn,        # K: (B, Hkv, Nk, D)
     stride_vb, stride_vh, stride_vn,        # V: (B, Hkv, Nk, D)
@@ -294,14 +301,15 @@ def _dq(
     stride_dqb, stride_dqh, stride_dqn,     # DQ: (B, Hq, Nq, D)
     stride_dlb, stride_dlh, stride_dln,     # DLSE: (B, Hq, Nq), any float dtype (read if HAS_DLSE)
     stride_lb, stride_lh, nq, nk,           # LSE, LSE2, DELTA: (B, Hq, Nq) float32, unit last stride
-    left, right, sink_tokens, scale, qk_scale,
+    left, right, sink_tokens, scale, qk_scale,  # KVTABLE: (cdiv(Nq, BLOCK_M), 5) int32 (dense only)
     HAS_DLSE: tl.constexpr, HAS_SINKS: tl.constexpr, FLAT: tl.constexpr, VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr, PRECISION: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
 ):
     """Grid ``(n_tiles, Hq, B)``: dQ of one Q tile of one query head, over the KV blocks that
-    :func:`gstar.kernels.ranges.kv_range` finds. VARLEN: axis 2 is the sequence (see ``_forward_kernel``).
+    :func:`gstar.pattern.kv_block_table` lists (dense) or :func:`gstar.kernels.ranges.kv_range` finds
+    (VARLEN: axis 2 is the sequence, see ``_forward_kernel``).
 
     The program first derives its rows' statistics, ``delta = rowsum(dO * O) - dLSE`` and the base-2 LSE,
     and stores them to DELTA and LSE2 for ``_dkdv`` (launched after it). With HAS_SINKS it also stores this
@@ -313,10 +321,11 @@ def _dq(
     q_start, nq = sequence_bounds(CuQ, b, nq, VARLEN)
     k_start, nk = sequence_bounds(CuK, b, nk, VARLEN)
     dsink_slot = DSINKS + (b * tl.num_programs(0) + pid_m) * tl.num_programs(1) + h
-    if pid_m * BLOCK_M >= nq:  # packed sequences shorter than the longest one
-        if HAS_SINKS:
-            tl.store(dsink_slot, 0.0)
-        return
+    if VARLEN:  # tiles past a shorter packed sequence (a dense grid has none: no branch around the body)
+        if pid_m * BLOCK_M >= nq:
+            if HAS_SINKS:
+                tl.store(dsink_slot, 0.0)
+            return
     hkv = h // GROUP
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                                    # (BLOCK_M,)
     offs_d = tl.arange(0, D_PAD)                                                        # (D_PAD,)
@@ -343,8 +352,16 @@ def _dq(
         tl.store(dsink_slot, -tl.sum(p_sink * delta, axis=0))
     k_head = K + b * stride_kb + hkv * stride_kh + k_start * stride_kn
     v_head = V + b * stride_vb + hkv * stride_vh + k_start * stride_vn
-    sink_end, band_start, full_start, full_end, band_end = kv_range(
-        pid_m * BLOCK_M, nq, nk, left, right, sink_tokens, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    if VARLEN:
+        sink_end, band_start, full_start, full_end, band_end = kv_range(
+            pid_m * BLOCK_M, nq, nk, left, right, sink_tokens, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    else:  # the host table, as in _dkdv (computing the ranges here measured slower for dense batches)
+        ranges = KVTABLE + pid_m * 5
+        sink_end = tl.load(ranges + _KV_SINK_END)
+        band_start = tl.load(ranges + _KV_BAND_START)
+        full_start = tl.load(ranges + _KV_FULL_START)
+        full_end = tl.load(ranges + _KV_FULL_END)
+        band_end = tl.load(ranges + _KV_BAND_END)
     dq = tl.zeros((BLOCK_M, D_PAD), dtype=tl.float32)
     if FLAT:  # one pipelined loop over the sink blocks then the band, every block masked
         for i in range(0, sink_end + band_end - band_start):
@@ -501,10 +518,11 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
     # dQ first: its programs also store delta and lse2, which every dK/dV program reads
     dq = like(q)
     n_q_tiles = triton.cdiv(pattern.nq, cfg.dq_m)
+    kv_table = lse if varlen else kv_block_table(pattern, cfg.dq_m, cfg.dq_n, q.device)   # (n_q_tiles, 5)
     shares = outputs.empty((seqs, n_q_tiles, Hq) if sinks is not None else (1,), dtype=torch.float32,
                            device=q.device)                                    # (B, n_q_tiles, Hq) of dsinks
     _dq[(n_q_tiles, Hq, seqs)](
-        q, k, v, out, dout, dl, lse, sinks, lse2, delta, dq, shares, cu_q, cu_k, *strides(q), *strides(k),
+        q, k, v, out, dout, dl, lse, sinks, lse2, delta, dq, shares, kv_table, cu_q, cu_k, *strides(q), *strides(k),
         *strides(v), *strides(out), *strides(dout), *strides(dq), *strides(dl), *strides(lse)[:2], Nq, Nk,
         *runtime, HAS_DLSE=dlse is not None, HAS_SINKS=sinks is not None, BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n,
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, **shared,

@@ -148,8 +148,9 @@ def _forward_kernel(
     q_start, Nq = sequence_bounds(CuQ, b, Nq, VARLEN)
     k_start, Nk = sequence_bounds(CuK, b, Nk, VARLEN)
     row_start = tile * ROWS
-    if row_start >= Nq:  # packed sequences shorter than the longest one
-        return
+    if VARLEN:  # tiles past a shorter packed sequence (a dense grid has none: no branch around the body)
+        if row_start >= Nq:
+            return
     h_kv = (h0 // group).to(tl.int64)
 
     offs_m = tl.arange(0, BLOCK_M)
