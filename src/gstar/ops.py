@@ -215,29 +215,20 @@ varlen_forward.register_autograd(_varlen_grads, setup_context=lambda ctx, inputs
     ctx, inputs, output, True, varlen_backward))
 
 
-class _Dense(torch.autograd.Function):
-    """Eager-mode autograd around the plain functions: the same formula as the operators' without the
-    torch.library dispatch, which costs more host time per call than a small kernel takes on the GPU."""
+class _Eager(torch.autograd.Function):
+    """Eager-mode autograd around the plain functions (``varlen`` picks the packed pair): the same formula
+    as the operators' without the torch.library dispatch, which costs more host time per call than a small
+    kernel takes on the GPU."""
 
     @staticmethod
-    def forward(ctx, *inputs):
-        output = _forward(*inputs)
-        _save(ctx, inputs, output, False, _backward)
+    def forward(ctx, varlen, *inputs):
+        output = (_varlen_forward if varlen else _forward)(*inputs)
+        _save(ctx, inputs, output, varlen, _varlen_backward if varlen else _backward)
         return output
-
-    backward = staticmethod(_dense_grads)
-
-
-class _Varlen(torch.autograd.Function):
-    """:class:`_Dense` for packed sequences."""
 
     @staticmethod
-    def forward(ctx, *inputs):
-        output = _varlen_forward(*inputs)
-        _save(ctx, inputs, output, True, _varlen_backward)
-        return output
-
-    backward = staticmethod(_varlen_grads)
+    def backward(ctx, dout, dlse):
+        return (None, *(_varlen_grads if ctx.varlen else _dense_grads)(ctx, dout, dlse))
 
 
 def attention(q, k, v, sinks, left: int, right: int, sink_tokens: int, scale: float, backend: str):
@@ -245,7 +236,7 @@ def attention(q, k, v, sinks, left: int, right: int, sink_tokens: int, scale: fl
     ``torch.compile`` traces, the same functions through a plain ``autograd.Function`` otherwise."""
     if torch.compiler.is_compiling():
         return forward(q, k, v, sinks, left, right, sink_tokens, scale, backend)
-    return _Dense.apply(q, k, v, sinks, left, right, sink_tokens, scale, backend)
+    return _Eager.apply(False, q, k, v, sinks, left, right, sink_tokens, scale, backend)
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, sinks, left: int,
@@ -255,4 +246,4 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
             backend)
     if torch.compiler.is_compiling():
         return varlen_forward(*args)
-    return _Varlen.apply(*args)
+    return _Eager.apply(True, *args)
