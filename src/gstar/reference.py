@@ -13,7 +13,7 @@ import math
 import torch
 
 from .kernels.outputs import empty_packed_like
-from .pattern import Pattern, kv_block_table, q_block_table
+from .pattern import Pattern, kv_block_table
 
 
 def naive_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, sinks=None, scale=None):
