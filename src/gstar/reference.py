@@ -179,7 +179,13 @@ def tiled_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale
     dsinks = None
     if sinks is not None:
         dsinks = -(torch.exp(sinks.to(stat).view(1, Hq, 1) - lse.to(stat)) * delta).sum(dim=(0, 2))
-    return dq, torch.empty_like(k).copy_(dk), torch.empty_like(v).copy_(dv), dsinks
+    return dq, _in_layout_of(k, dk), _in_layout_of(v, dv), dsinks
+
+
+def _in_layout_of(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The contiguous accumulator ``x`` in ``t``'s dtype and memory layout (what the fake implementations of
+    gstar.ops promise); a dtype cast only when ``t`` is contiguous too."""
+    return x.to(t.dtype) if x.stride() == t.stride() else torch.empty_like(t).copy_(x)
 
 
 def tiled_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, sinks=None, scale=None,

@@ -213,7 +213,6 @@ class FA4(Peer):
         from flash_attn.cute import flash_attn_func
         return flash_attn_func
 
-
     def unsupported(self, case, device, mode):
         params = inspect.signature(self._fn()).parameters
         p = case.pattern
@@ -253,7 +252,6 @@ class Fla(Peer):
     def _fn(self):
         from fla.ops.attn.parallel import parallel_attn
         return parallel_attn
-
 
     def unsupported(self, case, device, mode):
         params = inspect.signature(self._fn()).parameters
