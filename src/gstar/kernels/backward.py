@@ -45,12 +45,10 @@ from .ranges import kv_range, q_range, sequence_bounds
 
 LOG2E = math.log2(math.e)
 _LOG2E = tl.constexpr(LOG2E)
-# column positions of the KV block table, as compile-time constants for the kernels
-_KV_SINK_END, _KV_BAND_START, _KV_FULL_START, _KV_FULL_END, _KV_BAND_END = (
-    tl.constexpr(c) for c in (KV_SINK_END, KV_BAND_START, KV_FULL_START, KV_FULL_END, KV_BAND_END))
 # columns of the dK/dV work table (split_plan): the KV tile, then its Q tile ranges like q_block_table's
 W_TILE, W_START, W_FULL_START, W_FULL_END, W_END = range(5)
-_W_TILE, _W_START, _W_FULL_START, _W_FULL_END, _W_END = (tl.constexpr(c) for c in range(5))
+# the kernels read table rows in column order (_table_row)
+assert (KV_SINK_END, KV_BAND_START, KV_FULL_START, KV_FULL_END, KV_BAND_END) == tuple(range(5))
 # dK/dV splitting: programs aim at this many (Q tile, head) steps at least (a K/V load and a partial store
 # must pay off), at most this many items per KV tile, and partials at most this many times dK + dV's size
 _MIN_STEPS = 4
@@ -78,6 +76,13 @@ def _store_rows(ptr, idx, n, stride, offs_d, x, HEAD_DIM: tl.constexpr):
     """Stores the (R, D_PAD) tile ``x`` into rows ``idx`` (R,) of an (n, HEAD_DIM) matrix, cast to its dtype."""
     ptrs = ptr + idx.to(tl.int64)[:, None] * stride + offs_d[None, :]
     tl.store(ptrs, x.to(ptr.dtype.element_ty), mask=(idx[:, None] < n) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _table_row(Table, index):
+    """The five int32 columns of row ``index`` of an ``(n, 5)`` contiguous table, in column order."""
+    row = Table + index * 5
+    return tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
 
 
 @triton.jit
@@ -173,12 +178,7 @@ def _dkdv(
     else:
         # a dense batch reads its ranges from the host-built table: computing them here (as packed sequences
         # must) measured slower, e.g. dK/dV at D = 128 full attention 8.6 -> 9.6 ms on an H200
-        row = WORK + item * 5
-        tile = tl.load(row + _W_TILE)
-        m_start = tl.load(row + _W_START)
-        m_full_start = tl.load(row + _W_FULL_START)
-        m_full_end = tl.load(row + _W_FULL_END)
-        m_end = tl.load(row + _W_END)
+        tile, m_start, m_full_start, m_full_end, m_end = _table_row(WORK, item)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)                                     # (BLOCK_N,)
     offs_d = tl.arange(0, D_PAD)                                                        # (D_PAD,)
     k_head = K + b * stride_kb + hkv * stride_kh + k_start * stride_kn
@@ -206,18 +206,13 @@ def _dkdv(
             do_head = DO + b * stride_dob + h * stride_doh + q_start * stride_don
             lse2_head = LSE2 + b * stride_lb + h * stride_lh + q_start
             delta_head = DELTA + b * stride_lb + h * stride_lh + q_start
-            for m in range(m_start, m_full_start):
-                dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, m * BLOCK_M, stride_qn,
-                                    stride_don, offs_n, offs_d, nq, nk, left, right, sink_tokens, qk_scale, True,
-                                    HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, BLOCK_M, HEAD_DIM, D_PAD, PRECISION)
-            for m in range(m_full_start, m_full_end):
-                dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, m * BLOCK_M, stride_qn,
-                                    stride_don, offs_n, offs_d, nq, nk, left, right, sink_tokens, qk_scale, False,
-                                    HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, BLOCK_M, HEAD_DIM, D_PAD, PRECISION)
-            for m in range(m_full_end, m_end):
-                dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, m * BLOCK_M, stride_qn,
-                                    stride_don, offs_n, offs_d, nq, nk, left, right, sink_tokens, qk_scale, True,
-                                    HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, BLOCK_M, HEAD_DIM, D_PAD, PRECISION)
+            bounds = (m_start, m_full_start, m_full_end, m_end)
+            for r in tl.static_range(3):  # masked edge, unmasked interior, masked edge: one loop each
+                for m in range(bounds[r], bounds[r + 1]):
+                    dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, m * BLOCK_M,
+                                        stride_qn, stride_don, offs_n, offs_d, nq, nk, left, right, sink_tokens,
+                                        qk_scale, r != 1, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, BLOCK_M, HEAD_DIM,
+                                        D_PAD, PRECISION)
     if SPLIT:
         # pid_h = hkv * head_splits + split, so this is partial [b, hkv, split, item]
         slot = ((b * tl.num_programs(1) + pid_h) * n_items + item) * (BLOCK_N * D_PAD)
@@ -356,12 +351,7 @@ def _dq(
         sink_end, band_start, full_start, full_end, band_end = kv_range(
             pid_m * BLOCK_M, nq, nk, left, right, sink_tokens, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     else:  # the host table, as in _dkdv (computing the ranges here measured slower for dense batches)
-        ranges = KVTABLE + pid_m * 5
-        sink_end = tl.load(ranges + _KV_SINK_END)
-        band_start = tl.load(ranges + _KV_BAND_START)
-        full_start = tl.load(ranges + _KV_FULL_START)
-        full_end = tl.load(ranges + _KV_FULL_END)
-        band_end = tl.load(ranges + _KV_BAND_END)
+        sink_end, band_start, full_start, full_end, band_end = _table_row(KVTABLE, pid_m)
     dq = tl.zeros((BLOCK_M, D_PAD), dtype=tl.float32)
     if FLAT:  # one pipelined loop over the sink blocks then the band, every block masked
         for i in range(0, sink_end + band_end - band_start):
@@ -370,22 +360,14 @@ def _dq(
                           offs_d, nq, nk, left, right, sink_tokens, qk_scale, True, HAS_LEFT, HAS_RIGHT,
                           HAS_SINK_TOKENS, BLOCK_N, HEAD_DIM, D_PAD, PRECISION)
     else:
-        for n in range(0, sink_end):
-            dq = _dq_step(dq, q, do, lse2, delta, k_head, v_head, n * BLOCK_N, stride_kn, stride_vn, offs_m, offs_d,
-                          nq, nk, left, right, sink_tokens, qk_scale, True, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
-                          BLOCK_N, HEAD_DIM, D_PAD, PRECISION)
-        for n in range(band_start, full_start):
-            dq = _dq_step(dq, q, do, lse2, delta, k_head, v_head, n * BLOCK_N, stride_kn, stride_vn, offs_m, offs_d,
-                          nq, nk, left, right, sink_tokens, qk_scale, True, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
-                          BLOCK_N, HEAD_DIM, D_PAD, PRECISION)
-        for n in range(full_start, full_end):
-            dq = _dq_step(dq, q, do, lse2, delta, k_head, v_head, n * BLOCK_N, stride_kn, stride_vn, offs_m, offs_d,
-                          nq, nk, left, right, sink_tokens, qk_scale, False, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
-                          BLOCK_N, HEAD_DIM, D_PAD, PRECISION)
-        for n in range(full_end, band_end):
-            dq = _dq_step(dq, q, do, lse2, delta, k_head, v_head, n * BLOCK_N, stride_kn, stride_vn, offs_m, offs_d,
-                          nq, nk, left, right, sink_tokens, qk_scale, True, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
-                          BLOCK_N, HEAD_DIM, D_PAD, PRECISION)
+        # sink blocks, then the band's masked edge, unmasked interior and masked edge: one loop each
+        starts = (0, band_start, full_start, full_end)
+        ends = (sink_end, full_start, full_end, band_end)
+        for r in tl.static_range(4):
+            for n in range(starts[r], ends[r]):
+                dq = _dq_step(dq, q, do, lse2, delta, k_head, v_head, n * BLOCK_N, stride_kn, stride_vn, offs_m,
+                              offs_d, nq, nk, left, right, sink_tokens, qk_scale, r != 2, HAS_LEFT, HAS_RIGHT,
+                              HAS_SINK_TOKENS, BLOCK_N, HEAD_DIM, D_PAD, PRECISION)
     dq_head = DQ + b * stride_dqb + h * stride_dqh + q_start * stride_dqn
     _store_rows(dq_head, offs_m, nq, stride_dqn, offs_d, dq * scale, HEAD_DIM)
 
