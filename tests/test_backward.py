@@ -232,8 +232,9 @@ def test_split_plan_items_cover_each_tile():
 
 
 def test_split_plan_defaults():
-    """On CPU nothing is split; on a 132-SM card the stage-9 shapes are spread over >= 2 waves while
-    gpt-oss and FlashAttention shapes, whose grids are already large, are not split."""
+    """On CPU nothing is split; on a 132-SM card the stage-9 shapes are spread over >= 2 waves, the
+    gpt-oss causal group is split in two (measured faster), its 128-key window and FlashAttention's
+    full MHA shape, whose grids are already large, are not split."""
     stage9 = Pattern.make(4096, 4096, causal=True, window=(255, 0), sink_tokens=4)
     assert split_plan(stage9, 64, 64, 16, 1, "cpu")[0] == 1
     for pattern in (stage9, Pattern.make(4096, 4096, causal=True, window=(255, 0))):
@@ -244,7 +245,9 @@ def test_split_plan_defaults():
         steps = 16 // head_splits * min(chunk, max(counts))
         assert steps * 2 * 132 <= 4 * sum(counts) * 16  # the longest program: at most ~2x a fair share
     gptoss = Pattern.make(4096, 4096, causal=True)
-    assert _auto_split([r[3] - r[0] for r in q_block_table(gptoss, 64, 128).tolist()], 8, 16, 132) == (1, 64)
+    assert _auto_split([r[3] - r[0] for r in q_block_table(gptoss, 64, 64).tolist()], 8, 16, 132) == (2, 64)
+    window = Pattern.make(4096, 4096, causal=True, window=(127, 0))
+    assert _auto_split([r[3] - r[0] for r in q_block_table(window, 64, 64).tolist()], 8, 16, 132)[0] == 1
     fa = Pattern.make(8192, 8192)
     assert _auto_split([r[3] - r[0] for r in q_block_table(fa, 64, 128).tolist()], 1, 64, 132) == (1, 128)
 

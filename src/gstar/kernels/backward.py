@@ -381,7 +381,8 @@ def _auto_split(counts: list[int], group: int, programs: int, sms: int) -> tuple
     """``(head_splits, q_chunk)`` for a KV tile list with ``counts[t]`` Q tiles each; ``programs`` kv heads
     times batch. Aims every program at about ``1 / (2 * sms)`` of the steps (two waves), splitting the group
     first by how long a typical KV tile is, then the Q range of tiles far longer than that (a sink-token
-    tile, the first tiles of a causal pattern), within a bounded partial buffer."""
+    tile, the first tiles of a causal pattern), within a bounded partial buffer. A grid that needs no split
+    to fill the card still gets two half-group programs per tile when its tiles are long-tailed (causal)."""
     longest = max(counts)
     busy = sorted(c for c in counts if c)
     steps = sum(busy) * group * programs
@@ -396,6 +397,11 @@ def _auto_split(counts: list[int], group: int, programs: int, sms: int) -> tuple
             q_splits = min(_MAX_Q_SPLITS, -(-heads * longest // target))
         chunk = -(-longest // q_splits)
         if heads == group and q_splits == 1:
+            # causal: the longest tiles run twice the mean, and halving their programs shortens the tail
+            # (H200: gpt-oss causal backward 2.39 -> 2.28 ms, 8k 4.40 -> 4.25); a 128-key window is even
+            # and prefers whole-group programs (0.334 vs 0.374 ms split)
+            if group % 2 == 0 and 2 * longest > 3 * sum(busy) / len(busy):
+                return 2, longest
             return 1, longest
         items = sum(max(1, -(-c // chunk)) for c in counts)
         if group // heads * items <= _MAX_PARTIAL_RATIO * len(counts):
