@@ -140,6 +140,28 @@ def test_packed_matches_eager_per_document(arch, boundaries):
     _assert_same_grads(eager, ours)
 
 
+def test_cu_seq_lens_checked_once_per_batch_and_bad_ones_raise(monkeypatch):
+    """Given document boundaries are checked on the host once per forward (one device sync), not once per
+    layer, and offsets that do not cover the batch still raise."""
+    import gstar.integrations.transformers as integration
+    _, ours = _pair(_gpt_oss)
+    lengths = [7, 1, 3, 8]
+    ids = torch.randint(0, VOCAB, (1, sum(lengths)))
+    position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    calls = []
+    check = integration.check_cu_seqlens_values
+    monkeypatch.setattr(integration, "check_cu_seqlens_values", lambda *a: calls.append(a) or check(*a))
+    for _ in range(2):  # each forward builds new boundary tensors, as a collator does per batch
+        cu = torch.tensor([0] + lengths).cumsum(0)
+        ours(input_ids=ids, position_ids=position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+             max_length_q=max(lengths), max_length_k=max(lengths))
+    assert len(calls) == 2 and ours.config.num_hidden_layers == 3
+    bad = torch.tensor([0, 7, 8, 11, 18])  # ends one row short of the batch
+    with pytest.raises(ValueError, match="cu_seqlens_q must end at"):
+        ours(input_ids=ids, position_ids=position_ids, cu_seq_lens_q=bad, cu_seq_lens_k=bad, max_length_q=8,
+             max_length_k=8)
+
+
 def test_two_packed_rows_match_eager_per_document():
     eager, ours = _pair(_gpt_oss)
     rows = [[6, 13], [N]]

@@ -358,6 +358,19 @@ def test_bad_input_raises_clear_error(name, change, exc, text):
     assert text in str(info.value), str(info.value)
 
 
+def test_unchecked_offsets_skip_only_the_value_check():
+    """check_cu_seqlens=False gives the same result on valid offsets, still checks dtype / device / shape,
+    and no longer reads the values (which check_cu_seqlens_values still rejects)."""
+    args = _good_args()
+    unchecked = gstar.flash_attention_varlen(**args, check_cu_seqlens=False)
+    assert torch.equal(unchecked, gstar.flash_attention_varlen(**args))
+    with pytest.raises(TypeError, match="cu_seqlens_q must have dtype torch.int32"):
+        gstar.flash_attention_varlen(**{**args, "cu_seqlens_q": _cu([4, 5]).long()}, check_cu_seqlens=False)
+    short = torch.tensor([0, 4, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_q must end at total_q"):
+        gstar.check_cu_seqlens_values(short, args["cu_seqlens_k"], 9, 12, 5, 6)
+
+
 def test_larger_max_seqlen_is_accepted():
     args = _good_args()
     exact = gstar.flash_attention_varlen(**args)

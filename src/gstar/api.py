@@ -181,13 +181,24 @@ def _check_offsets(name: str, offsets: list[int], total_name: str, total: int, m
         raise ValueError(f"{max_name} must be >= the longest sequence in {name} ({longest}), got {max_seqlen}")
 
 
+def check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, max_seqlen_q: int,
+                            max_seqlen_k: int):
+    """The checks of :func:`flash_attention_varlen` on the values of ``cu_seqlens`` (0 first, non-decreasing,
+    the total last, no sequence longer than its ``max_seqlen``): one device-to-host copy of both (a sync on
+    CUDA). ``ValueError`` naming the first offending entry."""
+    offsets_q, offsets_k = torch.stack((cu_seqlens_q, cu_seqlens_k)).tolist()
+    _check_offsets("cu_seqlens_q", offsets_q, "total_q (q.shape[0])", total_q, "max_seqlen_q", max_seqlen_q)
+    _check_offsets("cu_seqlens_k", offsets_k, "total_k (k.shape[0])", total_k, "max_seqlen_k", max_seqlen_k)
+
+
 def normalize_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, window,
-                     sink_tokens, sinks, scale, backend):
+                     sink_tokens, sinks, scale, backend, check_cu_seqlens=True):
     """Validate every argument of :func:`flash_attention_varlen`.
 
     Returns ``(pattern, scale, backend)``, the pattern built on the longest lengths. The values of
-    ``cu_seqlens`` are checked on the host (one device-to-host copy of both, a sync on CUDA) except while
-    ``torch.compile`` traces, where they are data the graph cannot read: there only shapes are checked.
+    ``cu_seqlens`` are checked on the host (one device-to-host copy of both, a sync on CUDA) unless
+    ``check_cu_seqlens`` is False or ``torch.compile`` traces, where they are data the graph cannot read:
+    then only their dtype, device and shape are checked.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t, 3)
@@ -207,10 +218,8 @@ def normalize_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     window, sink_tokens, scale, backend = _check_options(
         q, Hq, D, causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks, scale=scale,
         backend=backend)
-    if not torch.compiler.is_compiling():
-        offsets_q, offsets_k = torch.stack((cu_seqlens_q, cu_seqlens_k)).tolist()  # the one sync
-        _check_offsets("cu_seqlens_q", offsets_q, "total_q (q.shape[0])", q.shape[0], "max_seqlen_q", max_seqlen_q)
-        _check_offsets("cu_seqlens_k", offsets_k, "total_k (k.shape[0])", k.shape[0], "max_seqlen_k", max_seqlen_k)
+    if check_cu_seqlens and not torch.compiler.is_compiling():
+        check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     lengths = [m if isinstance(m, torch.SymInt) else int(m) for m in (max_seqlen_q, max_seqlen_k)]
     pattern = Pattern.make(*lengths, causal=causal, window=window, sink_tokens=sink_tokens)
     return pattern, scale, backend
@@ -218,7 +227,7 @@ def normalize_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                            window=(-1, -1), sink_tokens=0, sinks=None, scale=None, return_lse=False,
-                           backend="auto"):
+                           backend="auto", check_cu_seqlens=True):
     """Attention over packed variable-length sequences (the flash-attn varlen convention).
 
     Sequence ``s`` is query rows ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]`` of ``q`` and key rows
@@ -250,15 +259,20 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             ``(Hq,)`` and joins every row's softmax denominator in every sequence.
         return_lse: also return the LSE as ``(Hq, total_q)`` float32 (heads first, flash-attn's varlen
             convention, not ``(total_q, Hq)``); ``-inf`` (or ``sinks[h]``) for rows that see no key.
+        check_cu_seqlens: check the values of ``cu_seqlens`` on the host (one device sync on CUDA). Pass
+            False only for offsets you built or already checked (e.g. once per batch with
+            :func:`gstar.check_cu_seqlens_values`, then for every layer): the kernels trust them, and
+            bad offsets read and write out of bounds.
 
     Returns ``out`` ``(total_q, Hq, D)`` contiguous in q's dtype, or ``(out, lse)``. Differentiable in q,
     k, v, sinks and the LSE. One kernel launch per pass covers every sequence (the Triton kernels read
     ``cu_seqlens`` on the device). Outside ``torch.compile`` the values of ``cu_seqlens`` are checked on
-    the host first (one device sync on CUDA); inside a compiled graph they are trusted.
+    the host first (one device sync on CUDA) unless ``check_cu_seqlens=False``; inside a compiled graph
+    they are trusted.
     """
     pattern, scale, backend = normalize_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, window=window,
-        sink_tokens=sink_tokens, sinks=sinks, scale=scale, backend=backend)
+        sink_tokens=sink_tokens, sinks=sinks, scale=scale, backend=backend, check_cu_seqlens=check_cu_seqlens)
     out, lse = ops.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, pattern.nq, pattern.nk, sinks, pattern.left,
                                   pattern.right, pattern.sink_tokens, scale, backend)
     return (out, lse) if return_lse else out

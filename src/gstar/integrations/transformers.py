@@ -39,30 +39,33 @@ try:
 except ImportError:
     from transformers.masking_utils import AttentionMaskInterface
 
-from ..api import flash_attention, flash_attention_varlen
+from ..api import check_cu_seqlens_values, flash_attention, flash_attention_varlen
 from ..varlen import cu_seqlens_from_mask, cu_seqlens_from_position_ids, pad, unpad
 
 NAME = "gstar"
 
 
 class _Plans:
-    """Packing plans keyed on the identity (and in-place version) of a mask or position-id tensor.
+    """Packing plans keyed on the identity (and in-place version) of mask, position-id or cu_seq_lens tensors.
 
-    Every layer of one forward pass receives the same mask / position-id tensor; computing its plan once
-    saves a device sync per layer. Entries hold weak references, so a freed tensor is never matched.
+    Every layer of one forward pass receives the same tensors; computing their plan once saves a device
+    sync per layer (building offsets, or checking given ones). Entries hold weak references, so a freed
+    tensor is never matched.
     """
 
     def __init__(self, size: int = 8):
         self.size = size
         self.entries = []
 
-    def get(self, tensor: torch.Tensor, key, build):
-        """The plan of ``(tensor, key)``, built by ``build()`` on a miss."""
-        for ref, version, k, plan in self.entries:
-            if ref() is tensor and version == tensor._version and k == key:
+    def get(self, tensors: tuple, key, build):
+        """The plan of ``(tensors, key)``, built by ``build()`` on a miss."""
+        versions = tuple(t._version for t in tensors)
+        for refs, vs, k, plan in self.entries:
+            if vs == versions and k == key and all(r() is t for r, t in zip(refs, tensors)):
                 return plan
         plan = build()
-        self.entries = [(weakref.ref(tensor), tensor._version, key, plan)] + self.entries[:self.size - 1]
+        refs = tuple(weakref.ref(t) for t in tensors)
+        self.entries = [(refs, versions, key, plan)] + self.entries[:self.size - 1]
         return plan
 
 
@@ -100,7 +103,7 @@ def _padded(q, k, v, mask, **opts):
     elif mask.shape[1] > k.shape[2]:
         raise ValueError(f"the 2-D attention mask covers {mask.shape[1]} keys but the layer has {k.shape[2]}")
     Nk = k.shape[2]
-    cu_k, max_k, idx_k = _plans.get(mask, "k", lambda: cu_seqlens_from_mask(mask))
+    cu_k, max_k, idx_k = _plans.get((mask,), "k", lambda: cu_seqlens_from_mask(mask))
     if Nq == Nk:
         cu_q, max_q, idx_q = cu_k, max_k, idx_k
     else:
@@ -111,9 +114,11 @@ def _padded(q, k, v, mask, **opts):
                 raise ValueError("gstar attention supports padding with fewer queries than keys (cached "
                                  "decoding) only for left padding: use padding_side='left' to generate")
             return cu_seqlens_from_mask(mask[:, -Nq:])
-        cu_q, max_q, idx_q = _plans.get(mask, ("q", Nq), query_plan)
+        cu_q, max_q, idx_q = _plans.get((mask,), ("q", Nq), query_plan)
+    # offsets built from the mask are valid by construction: no per-layer check (a device sync)
     out = flash_attention_varlen(unpad(_rows_first(q), idx_q), unpad(_rows_first(k), idx_k),
-                                 unpad(_rows_first(v), idx_k), cu_q, cu_k, max_q, max_k, **opts)  # (total_q, Hq, D)
+                                 unpad(_rows_first(v), idx_k), cu_q, cu_k, max_q, max_k, check_cu_seqlens=False,
+                                 **opts)  # (total_q, Hq, D)
     return pad(out, idx_q, B, Nq)
 
 
@@ -130,21 +135,29 @@ def _packing_plan(position_ids, batch: int):
 
 
 def _packed(q, k, v, cu_q, cu_k, max_q, max_k, **opts):
-    """Flattened batch: q (B, Hq, Nq, D), k, v (B, Hkv, Nk, D), documents by cu_seqlens -> (B, Nq, Hq, D)."""
+    """Flattened batch: q (B, Hq, Nq, D), k, v (B, Hkv, Nk, D), documents by cu_seqlens -> (B, Nq, Hq, D).
+    The offsets are the plan's, checked (or built) once per batch: no per-layer check."""
     B, Hq, Nq, D = q.shape
     flat = [_rows_first(x).reshape(-1, x.shape[1], D) for x in (q, k, v)]  # (B * N, H, D)
-    out = flash_attention_varlen(*flat, cu_q, cu_k, max_q, max_k, **opts)
+    out = flash_attention_varlen(*flat, cu_q, cu_k, max_q, max_k, check_cu_seqlens=False, **opts)
     return out.view(B, Nq, Hq, D)
-
-
-def _as_cu_seqlens(cu, device):
-    return cu.to(device=device, dtype=torch.int32)
 
 
 def _max_length(given, cu):
     if given is not None:
         return int(given)
     return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+
+
+def _flattened_plan(cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, device, total_q, total_k, check):
+    """``(cu_q, cu_k, max_q, max_k)`` of a flattened batch's given boundaries, as int32 on ``device``;
+    with ``check`` their values are checked (the one device sync) and must cover ``total_q`` / ``total_k``
+    rows."""
+    cu_q, cu_k = (cu.to(device=device, dtype=torch.int32) for cu in (cu_seq_lens_q, cu_seq_lens_k))
+    max_q, max_k = _max_length(max_length_q, cu_q), _max_length(max_length_k, cu_k)
+    if check:
+        check_cu_seqlens_values(cu_q, cu_k, total_q, total_k, max_q, max_k)
+    return cu_q, cu_k, max_q, max_k
 
 
 def gstar_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -189,16 +202,23 @@ def gstar_attention_forward(module, query, key, value, attention_mask, scaling=N
     elif cu_seq_lens_q is not None or cu_seq_lens_k is not None:
         if cu_seq_lens_q is None or cu_seq_lens_k is None:
             raise ValueError("gstar attention needs both cu_seq_lens_q and cu_seq_lens_k for a flattened batch")
-        cu_q, cu_k = _as_cu_seqlens(cu_seq_lens_q, query.device), _as_cu_seqlens(cu_seq_lens_k, query.device)
-        out = _packed(query, key, value, cu_q, cu_k, _max_length(max_length_q, cu_q),
-                      _max_length(max_length_k, cu_k), **opts)
+        given = (cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, query.device,
+                 query.shape[0] * query.shape[2], key.shape[0] * key.shape[2])
+        if torch.compiler.is_compiling():  # a graph can neither read the values nor cache on identity
+            plan = _flattened_plan(*given, check=False)
+        else:  # checked once per batch, then reused by every layer
+            lengths = (max_length_q, max_length_k)
+            tensors = (cu_seq_lens_q, cu_seq_lens_k) + tuple(m for m in lengths if isinstance(m, torch.Tensor))
+            plan_key = ("cu", *(None if isinstance(m, torch.Tensor) else m for m in lengths), *given[4:])
+            plan = _plans.get(tensors, plan_key, lambda: _flattened_plan(*given, check=True))
+        out = _packed(query, key, value, *plan, **opts)
     else:
         plan = None
         # finding documents in position ids reads them; a compiled graph cannot, so under torch.compile
         # packed documents must come as cu_seq_lens_q / cu_seq_lens_k (as DataCollatorWithFlattening gives)
         if (position_ids is not None and position_ids.dim() <= 2 and position_ids.shape[-1] == query.shape[2]
                 and not torch.compiler.is_compiling()):
-            plan = _plans.get(position_ids, ("pos", query.shape[0]),
+            plan = _plans.get((position_ids,), ("pos", query.shape[0]),
                               lambda: _packing_plan(position_ids, query.shape[0]))
         if plan is None:
             out = _rows_first(flash_attention(query, key, value, **opts))
