@@ -122,14 +122,16 @@ def _dkdv_step(
     else:
         lse2 = tl.load(LSE2 + offs_m)
         delta = tl.load(DELTA + offs_m)
+    # both products that need only loaded tiles first, then the softmax work: H200, dK/dV at gpt-oss causal
+    # 1.395 -> 1.33 ms, D128 full 8.48 -> 7.78 ms (the same order made dQ 57% slower: it keeps its own)
     s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)                              # (BLOCK_N, BLOCK_M)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)                            # (BLOCK_N, BLOCK_M)
     p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
     if MASKED:
         ok = _visible(offs_m[None, :], offs_n[:, None], nq, nk, left, right, sink_tokens,
                       HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)
         p_t = tl.where(ok, p_t, 0.0)
     dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
-    dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)                            # (BLOCK_N, BLOCK_M)
     ds_t = p_t * (dp_t - delta[None, :])
     dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
     return dk, dv
