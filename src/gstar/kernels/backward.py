@@ -493,8 +493,8 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
     def strides(t):  # packed sequences are found through cu_seqlens, not a batch stride
         return (0 if varlen else t.stride(0)), t.stride(1), t.stride(2)
 
-    # one buffer for both row statistics; each half has lse's (contiguous) strides
-    delta, lse2 = outputs.empty((2, B, Hq, Nq), dtype=torch.float32, device=q.device)  # (B, Hq, Nq) each
+    delta = outputs.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)        # like lse
+    lse2 = outputs.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)         # like lse
     dl = delta if dlse is None else dlse  # any valid pointer when HAS_DLSE is off
 
     group = Hq // Hkv
@@ -503,7 +503,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
         PRECISION=dot_precision(q.dtype), GROUP=group, HEAD_DIM=D, D_PAD=d_pad, FLAT=cfg.flat, VARLEN=varlen,
     )
     runtime = (pattern.left, pattern.right, pattern.sink_tokens, scale, scale * LOG2E)
-    q_s, k_s, v_s, do_s = strides(q), strides(k), strides(v), strides(dout)
+    operands = (*strides(q), *strides(k), *strides(v), *strides(dout))
 
     # dQ first: its programs also store delta and lse2, which every dK/dV program reads
     dq = like(q)
@@ -512,8 +512,8 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
     shares = outputs.empty((seqs, n_q_tiles, Hq) if sinks is not None else (1,), dtype=torch.float32,
                            device=q.device)                                    # (B, n_q_tiles, Hq) of dsinks
     _dq[(n_q_tiles, Hq, seqs)](
-        q, k, v, out, dout, dl, lse, sinks, lse2, delta, dq, shares, kv_table, cu_q, cu_k, *q_s, *k_s, *v_s,
-        *strides(out), *do_s, *strides(dq), *strides(dl), *strides(lse)[:2], Nq, Nk,
+        q, k, v, out, dout, dl, lse, sinks, lse2, delta, dq, shares, kv_table, cu_q, cu_k, *strides(q), *strides(k),
+        *strides(v), *strides(out), *strides(dout), *strides(dq), *strides(dl), *strides(lse)[:2], Nq, Nk,
         *runtime, HAS_DLSE=dlse is not None, HAS_SINKS=sinks is not None, BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n,
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, **shared,
     )
@@ -534,7 +534,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
         pk = outputs.empty(parts, dtype=torch.float32, device=q.device)
         pv = outputs.empty(parts, dtype=torch.float32, device=q.device)
     _dkdv[(n_items, Hkv * head_splits, seqs)](
-        q, k, v, dout, lse2, delta, pk, pv, work, cu_q, cu_k, *q_s, *k_s, *v_s, *do_s, *strides(dk), *strides(dv),
+        q, k, v, dout, lse2, delta, pk, pv, work, cu_q, cu_k, *operands, *strides(dk), *strides(dv),
         *strides(lse)[:2], Nq, Nk, head_splits, n_items, *runtime, SPLIT=split, BLOCK_M=cfg.dkdv_m,
         BLOCK_N=cfg.dkdv_n, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **shared,
     )
