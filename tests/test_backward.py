@@ -150,6 +150,17 @@ def test_fp32_other_tiles(case, config):
     _check_exact_zeros(grads, pattern)
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["ranges", "flat"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_fp32_tma_loads(case, flat):
+    """Tiles read through tensor descriptors: zero fill past Nq / Nk and past the head dim replaces masks."""
+    q, k, v, sinks, dout, dlse, pattern_args, scale = _case_inputs(case, torch.float32, layout="bnhd")
+    config = BackwardConfig(16, 32, 32, 16, dkdv_warps=1, dq_warps=1, flat=flat, dkdv_tma=True, dq_tma=True)
+    grads, ref, pattern = _backward(q, k, v, sinks, dout, dlse, pattern_args, scale, config=config)
+    _check_fp32(grads, ref)
+    _check_exact_zeros(grads, pattern)
+
+
 @pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[4], CASES[6]],
                          ids=[CASES[i][0] for i in (1, 3, 4, 6)])
 def test_fp16_within_bar(case):

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from ..pattern import (KV_BAND_END, KV_BAND_START, KV_FULL_END, KV_FULL_START, KV_SINK_END, Q_END, Q_FULL_END,
                        Q_FULL_START, Q_START, Pattern, kv_block_table, q_block_table)
-from . import outputs
+from . import descriptors, outputs
 from .configs import BackwardConfig, backward_config, dot_precision, pad_head_dim
 from .ranges import kv_range, q_range, sequence_bounds
 
@@ -79,6 +79,20 @@ def _store_rows(ptr, idx, n, stride, offs_d, x, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _head_rows(A, B, b, h, start, stride_ab, stride_ah, stride_an, stride_bb, stride_bh, stride_bn,
+               TMA: tl.constexpr):
+    """Row ``start`` of head ``h`` of batch ``b`` (int64) in two (B, H, N, D) operands, or with TMA the
+    descriptors themselves (their loads take the indices)."""
+    if TMA:
+        a_rows = A
+        b_rows = B
+    else:
+        a_rows = A + b * stride_ab + h * stride_ah + start * stride_an
+        b_rows = B + b * stride_bb + h * stride_bh + start * stride_bn
+    return a_rows, b_rows
+
+
+@triton.jit
 def _table_row(Table, index):
     """The five int32 columns of row ``index`` of an ``(n, 5)`` contiguous table, in column order."""
     row = Table + index * 5
@@ -103,19 +117,25 @@ def _visible(rows, cols, nq, nk, left, right, sink_tokens,
 
 @triton.jit
 def _dkdv_step(
-    dk, dv, k, v, Q, DO, LSE2, DELTA, m_start, stride_qn, stride_don, offs_n, offs_d,
+    dk, dv, k, v, Q, DO, LSE2, DELTA, seq, head, m_start, stride_qn, stride_don, offs_n, offs_d,
     nq, nk, left, right, sink_tokens, qk_scale,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
-    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TMA: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Adds one Q tile's contribution to dk, dv (BLOCK_N, D_PAD) float32.
 
-    k, v: (BLOCK_N, D_PAD); Q, DO point at row 0 of one query head, LSE2, DELTA at its (Nq,) rows. Scores
-    are kept transposed, (BLOCK_N, BLOCK_M), so that both products land in the accumulators' layout.
+    k, v: (BLOCK_N, D_PAD); LSE2, DELTA point at the (Nq,) rows of one query head, and so do Q, DO, or
+    with TMA they are descriptors over (B, Hq, Nq, HEAD_DIM) read at batch ``seq``, head ``head`` (int32).
+    Scores are kept transposed, (BLOCK_N, BLOCK_M), so that both products land in the accumulators' layout.
     """
     offs_m = m_start + tl.arange(0, BLOCK_M)                                            # (BLOCK_M,)
-    q = _load_rows(Q, offs_m, nq, stride_qn, offs_d, MASKED, HEAD_DIM, D_PAD)           # (BLOCK_M, D_PAD)
-    do = _load_rows(DO, offs_m, nq, stride_don, offs_d, MASKED, HEAD_DIM, D_PAD)        # (BLOCK_M, D_PAD)
+    if TMA:  # rows past Nq and lanes past HEAD_DIM arrive as zeros
+        q = Q.load([seq, head, m_start, 0]).reshape(BLOCK_M, D_PAD)                     # (BLOCK_M, D_PAD)
+        do = DO.load([seq, head, m_start, 0]).reshape(BLOCK_M, D_PAD)                   # (BLOCK_M, D_PAD)
+    else:
+        q = _load_rows(Q, offs_m, nq, stride_qn, offs_d, MASKED, HEAD_DIM, D_PAD)
+        do = _load_rows(DO, offs_m, nq, stride_don, offs_d, MASKED, HEAD_DIM, D_PAD)
     if MASKED:
         lse2 = tl.load(LSE2 + offs_m, mask=offs_m < nq, other=float("inf"))             # (BLOCK_M,)
         delta = tl.load(DELTA + offs_m, mask=offs_m < nq, other=0.0)                    # (BLOCK_M,)
@@ -152,6 +172,7 @@ def _dkdv(
     SPLIT: tl.constexpr, FLAT: tl.constexpr, VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr, PRECISION: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Grid ``(n_items, Hkv * head_splits, B)``: dK, dV of one KV tile of one kv head, summed over
     ``GROUP // head_splits`` query heads and the Q tiles of one work item.
@@ -161,11 +182,12 @@ def _dkdv(
     and :func:`gstar.kernels.ranges.q_range` finds its Q tiles. Without SPLIT every KV tile is one item and
     the whole group one split: the result goes to DK, DV in their dtype. With SPLIT (dense only) DK and DV
     are float32 partials ``(B, Hkv, head_splits, n_items, BLOCK_N, D_PAD)`` contiguous, summed by
-    ``_sum_partials``.
+    ``_sum_partials``. TMA (dense only): Q and DO are tensor descriptors moving (1, 1, BLOCK_M, D_PAD) tiles.
     """
     item = tl.program_id(0)
     pid_h = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
+    seq = tl.program_id(2)
+    b = seq.to(tl.int64)
     hkv = (pid_h // head_splits).to(tl.int64)
     split = pid_h % head_splits
     heads = GROUP // head_splits
@@ -194,27 +216,28 @@ def _dkdv(
         for it in range(0, heads * n_m):
             h = hkv * GROUP + split * heads + it // n_m
             m = m_start + it % n_m
-            q_head = Q + b * stride_qb + h * stride_qh + q_start * stride_qn
-            do_head = DO + b * stride_dob + h * stride_doh + q_start * stride_don
+            q_head, do_head = _head_rows(Q, DO, b, h, q_start, stride_qb, stride_qh, stride_qn, stride_dob,
+                                         stride_doh, stride_don, TMA)
             lse2_head = LSE2 + b * stride_lb + h * stride_lh + q_start
             delta_head = DELTA + b * stride_lb + h * stride_lh + q_start
-            dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, m * BLOCK_M, stride_qn,
-                                stride_don, offs_n, offs_d, nq, nk, left, right, sink_tokens, qk_scale, True,
-                                HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, BLOCK_M, HEAD_DIM, D_PAD, PRECISION)
+            dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, seq, h.to(tl.int32),
+                                m * BLOCK_M, stride_qn, stride_don, offs_n, offs_d, nq, nk, left, right, sink_tokens,
+                                qk_scale, True, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, BLOCK_M, HEAD_DIM, D_PAD, TMA,
+                                PRECISION)
     else:
         for g in range(split * heads, split * heads + heads):
             h = hkv * GROUP + g
-            q_head = Q + b * stride_qb + h * stride_qh + q_start * stride_qn
-            do_head = DO + b * stride_dob + h * stride_doh + q_start * stride_don
+            q_head, do_head = _head_rows(Q, DO, b, h, q_start, stride_qb, stride_qh, stride_qn, stride_dob,
+                                         stride_doh, stride_don, TMA)
             lse2_head = LSE2 + b * stride_lb + h * stride_lh + q_start
             delta_head = DELTA + b * stride_lb + h * stride_lh + q_start
             bounds = (m_start, m_full_start, m_full_end, m_end)
             for r in tl.static_range(3):  # masked edge, unmasked interior, masked edge: one loop each
                 for m in range(bounds[r], bounds[r + 1]):
-                    dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, m * BLOCK_M,
-                                        stride_qn, stride_don, offs_n, offs_d, nq, nk, left, right, sink_tokens,
-                                        qk_scale, r != 1, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, BLOCK_M, HEAD_DIM,
-                                        D_PAD, PRECISION)
+                    dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, seq, h.to(tl.int32),
+                                        m * BLOCK_M, stride_qn, stride_don, offs_n, offs_d, nq, nk, left, right,
+                                        sink_tokens, qk_scale, r != 1, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
+                                        BLOCK_M, HEAD_DIM, D_PAD, TMA, PRECISION)
     if SPLIT:
         # pid_h = hkv * head_splits + split, so this is partial [b, hkv, split, item]
         slot = ((b * tl.num_programs(1) + pid_h) * n_items + item) * (BLOCK_N * D_PAD)
@@ -263,18 +286,24 @@ def _sum_partials(
 
 @triton.jit
 def _dq_step(
-    dq, q, do, lse2, delta, K, V, n_start, stride_kn, stride_vn, offs_m, offs_d,
+    dq, q, do, lse2, delta, K, V, seq, kv_head, n_start, stride_kn, stride_vn, offs_m, offs_d,
     nq, nk, left, right, sink_tokens, qk_scale,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TMA: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Adds one KV block's contribution to dq (BLOCK_M, D_PAD) float32.
 
-    q, do: (BLOCK_M, D_PAD); lse2, delta: (BLOCK_M,); K, V point at key 0 of the kv head.
+    q, do: (BLOCK_M, D_PAD); lse2, delta: (BLOCK_M,); K, V point at key 0 of the kv head, or with TMA are
+    descriptors over (B, Hkv, Nk, HEAD_DIM) read at batch ``seq``, head ``kv_head`` (int32).
     """
     offs_n = n_start + tl.arange(0, BLOCK_N)                                            # (BLOCK_N,)
-    k = _load_rows(K, offs_n, nk, stride_kn, offs_d, MASKED, HEAD_DIM, D_PAD)           # (BLOCK_N, D_PAD)
-    v = _load_rows(V, offs_n, nk, stride_vn, offs_d, MASKED, HEAD_DIM, D_PAD)           # (BLOCK_N, D_PAD)
+    if TMA:  # keys past Nk and lanes past HEAD_DIM arrive as zeros
+        k = K.load([seq, kv_head, n_start, 0]).reshape(BLOCK_N, D_PAD)                  # (BLOCK_N, D_PAD)
+        v = V.load([seq, kv_head, n_start, 0]).reshape(BLOCK_N, D_PAD)                  # (BLOCK_N, D_PAD)
+    else:
+        k = _load_rows(K, offs_n, nk, stride_kn, offs_d, MASKED, HEAD_DIM, D_PAD)
+        v = _load_rows(V, offs_n, nk, stride_vn, offs_d, MASKED, HEAD_DIM, D_PAD)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)                                # (BLOCK_M, BLOCK_N)
     p = tl.math.exp2(s * qk_scale - lse2[:, None])
     if MASKED:
@@ -302,7 +331,7 @@ def _dq(
     HAS_DLSE: tl.constexpr, HAS_SINKS: tl.constexpr, FLAT: tl.constexpr, VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr, PRECISION: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
+    D_PAD: tl.constexpr, TMA: tl.constexpr,
 ):
     """Grid ``(n_tiles, Hq, B)``: dQ of one Q tile of one query head, over the KV blocks that
     :func:`gstar.pattern.kv_block_table` lists (dense) or :func:`gstar.kernels.ranges.kv_range` finds
@@ -311,10 +340,12 @@ def _dq(
     The program first derives its rows' statistics, ``delta = rowsum(dO * O) - dLSE`` and the base-2 LSE,
     and stores them to DELTA and LSE2 for ``_dkdv`` (launched after it). With HAS_SINKS it also stores this
     tile's share of dsinks[h], ``-sum_rows exp(sinks[h] - lse) * delta``, to DSINKS: (B, n_tiles, Hq) float32.
+    TMA (dense only): K and V are tensor descriptors moving (1, 1, BLOCK_N, D_PAD) tiles.
     """
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
+    seq = tl.program_id(2)
+    b = seq.to(tl.int64)
     q_start, nq = sequence_bounds(CuQ, b, nq, VARLEN)
     k_start, nk = sequence_bounds(CuK, b, nk, VARLEN)
     dsink_slot = DSINKS + (b * tl.num_programs(0) + pid_m) * tl.num_programs(1) + h
@@ -347,8 +378,9 @@ def _dq(
         # with sinks every lse is finite (>= sinks[h]); rows past the end have delta = 0 and lse2 = inf
         p_sink = tl.math.exp2(tl.load(Sinks + h) * _LOG2E - lse2)                       # (BLOCK_M,)
         tl.store(dsink_slot, -tl.sum(p_sink * delta, axis=0))
-    k_head = K + b * stride_kb + hkv * stride_kh + k_start * stride_kn
-    v_head = V + b * stride_vb + hkv * stride_vh + k_start * stride_vn
+    k_head, v_head = _head_rows(K, V, b, hkv, k_start, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+                                stride_vn, TMA)
+    kv_head = hkv.to(tl.int32)
     if VARLEN:
         sink_end, band_start, full_start, full_end, band_end = kv_range(
             pid_m * BLOCK_M, nq, nk, left, right, sink_tokens, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -358,18 +390,18 @@ def _dq(
     if FLAT:  # one pipelined loop over the sink blocks then the band, every block masked
         for i in range(0, sink_end + band_end - band_start):
             n = tl.where(i < sink_end, i, band_start + i - sink_end)
-            dq = _dq_step(dq, q, do, lse2, delta, k_head, v_head, n * BLOCK_N, stride_kn, stride_vn, offs_m,
-                          offs_d, nq, nk, left, right, sink_tokens, qk_scale, True, HAS_LEFT, HAS_RIGHT,
-                          HAS_SINK_TOKENS, BLOCK_N, HEAD_DIM, D_PAD, PRECISION)
+            dq = _dq_step(dq, q, do, lse2, delta, k_head, v_head, seq, kv_head, n * BLOCK_N, stride_kn, stride_vn,
+                          offs_m, offs_d, nq, nk, left, right, sink_tokens, qk_scale, True, HAS_LEFT, HAS_RIGHT,
+                          HAS_SINK_TOKENS, BLOCK_N, HEAD_DIM, D_PAD, TMA, PRECISION)
     else:
         # sink blocks, then the band's masked edge, unmasked interior and masked edge: one loop each
         starts = (0, band_start, full_start, full_end)
         ends = (sink_end, full_start, full_end, band_end)
         for r in tl.static_range(4):
             for n in range(starts[r], ends[r]):
-                dq = _dq_step(dq, q, do, lse2, delta, k_head, v_head, n * BLOCK_N, stride_kn, stride_vn, offs_m,
-                              offs_d, nq, nk, left, right, sink_tokens, qk_scale, r != 2, HAS_LEFT, HAS_RIGHT,
-                              HAS_SINK_TOKENS, BLOCK_N, HEAD_DIM, D_PAD, PRECISION)
+                dq = _dq_step(dq, q, do, lse2, delta, k_head, v_head, seq, kv_head, n * BLOCK_N, stride_kn,
+                              stride_vn, offs_m, offs_d, nq, nk, left, right, sink_tokens, qk_scale, r != 2,
+                              HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, BLOCK_N, HEAD_DIM, D_PAD, TMA, PRECISION)
     dq_head = DQ + b * stride_dqb + h * stride_dqh + q_start * stride_dqn
     _store_rows(dq_head, offs_m, nq, stride_dqn, offs_d, dq * scale, HEAD_DIM)
 
@@ -504,6 +536,13 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
     )
     runtime = (pattern.left, pattern.right, pattern.sink_tokens, scale, scale * LOG2E)
     operands = (*strides(q), *strides(k), *strides(v), *strides(dout))
+    dq_tma = cfg.dq_tma and not varlen and descriptors.supported(k, v)
+    dkdv_tma = cfg.dkdv_tma and not varlen and descriptors.supported(q, dout)
+    k_in, v_in, q_in, do_in = k, v, q, dout
+    if dq_tma:  # dQ reads its K, V tiles through descriptors
+        k_in, v_in = (descriptors.tiles(t, (1, 1, cfg.dq_n, d_pad)) for t in (k, v))
+    if dkdv_tma:  # dK/dV its Q, dO tiles
+        q_in, do_in = (descriptors.tiles(t, (1, 1, cfg.dkdv_m, d_pad)) for t in (q, dout))
 
     # dQ first: its programs also store delta and lse2, which every dK/dV program reads
     dq = like(q)
@@ -512,10 +551,10 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
     shares = outputs.empty((seqs, n_q_tiles, Hq) if sinks is not None else (1,), dtype=torch.float32,
                            device=q.device)                                    # (B, n_q_tiles, Hq) of dsinks
     _dq[(n_q_tiles, Hq, seqs)](
-        q, k, v, out, dout, dl, lse, sinks, lse2, delta, dq, shares, kv_table, cu_q, cu_k, *strides(q), *strides(k),
+        q, k_in, v_in, out, dout, dl, lse, sinks, lse2, delta, dq, shares, kv_table, cu_q, cu_k, *strides(q), *strides(k),
         *strides(v), *strides(out), *strides(dout), *strides(dq), *strides(dl), *strides(lse)[:2], Nq, Nk,
         *runtime, HAS_DLSE=dlse is not None, HAS_SINKS=sinks is not None, BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n,
-        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, **shared,
+        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, TMA=dq_tma, **shared,
     )
     dsinks = None if sinks is None else shares.sum(dim=(0, 1))                       # (Hq,) fixed order
 
@@ -534,9 +573,9 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
         pk = outputs.empty(parts, dtype=torch.float32, device=q.device)
         pv = outputs.empty(parts, dtype=torch.float32, device=q.device)
     _dkdv[(n_items, Hkv * head_splits, seqs)](
-        q, k, v, dout, lse2, delta, pk, pv, work, cu_q, cu_k, *operands, *strides(dk), *strides(dv),
+        q_in, k, v, do_in, lse2, delta, pk, pv, work, cu_q, cu_k, *operands, *strides(dk), *strides(dv),
         *strides(lse)[:2], Nq, Nk, head_splits, n_items, *runtime, SPLIT=split, BLOCK_M=cfg.dkdv_m,
-        BLOCK_N=cfg.dkdv_n, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **shared,
+        BLOCK_N=cfg.dkdv_n, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, TMA=dkdv_tma, **shared,
     )
     if split:
         _sum_partials[(n_tiles, Hkv, B)](

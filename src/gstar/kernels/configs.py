@@ -109,7 +109,9 @@ class BackwardConfig:
     :func:`gstar.kernels.backward.split_plan` choose from the SM count (1 and unbounded when the grid is
     already large). ``flat`` runs each program's tiles as one pipelined loop with every tile masked,
     instead of one loop per (head, masked / unmasked range): narrow windows have few tiles per range, and
-    short loops spend most of their time filling and draining the pipeline.
+    short loops spend most of their time filling and draining the pipeline. ``dkdv_tma`` and ``dq_tma``
+    move the tiles that each step loads (dK/dV: Q and dO; dQ: K and V) through tensor descriptors
+    (:mod:`gstar.kernels.descriptors`) where the operands allow it.
     """
 
     dkdv_m: int
@@ -123,9 +125,12 @@ class BackwardConfig:
     head_splits: int = 0
     q_chunk: int = 0
     flat: bool = False
+    dkdv_tma: bool = False
+    dq_tma: bool = False
 
 
-# 16-bit rows: (largest padded head dim, narrow band only, dkdv (m, n, warps, stages), dq (m, n, warps, stages));
+# 16-bit rows: (largest padded head dim, narrow band only, dkdv (m, n, warps, stages, tma),
+# dq (m, n, warps, stages, tma));
 # the first row that matches wins. dK/dV keep two (dkdv_n, D_PAD) float32 accumulators and the K/V tile of
 # a program resident, so the key tile is as long as registers allow and the Q tile short; dQ is the mirror
 # image. Hopper's wgmma gives each warpgroup (4 warps) 64 rows of a product, so 8 warps want 128-row
@@ -134,11 +139,17 @@ class BackwardConfig:
 # the 64x128 dK/dV tile spills a little (ptxas, sm_90a: 600 bytes at 3 stages) and still beats the
 # spill-free 32x128 (gpt-oss causal backward 2.77 -> 2.45 ms, fa D128 causal 8.81 -> 7.55 ms). Three dK/dV
 # stages at D <= 64 (fourth session): 8k causal backward 4.57 -> 4.40 ms, 32k 65.1 -> 63.0, window 0.343 -> 0.335.
+# TMA (fifth session, H200, scripts/kernel-times): descriptor loads of the per-step tiles made dQ faster
+# everywhere (gpt-oss causal 0.817 -> 0.776 ms, window 0.156 -> 0.148, D128 full 5.75 -> 5.01) and dK/dV
+# at D <= 64 (causal 1.332 -> 1.243), but dK/dV at D = 128 slower (7.92 -> 10.21 ms). Each descriptor
+# launch costs ~25 us more host time (Triton builds the descriptors in Python), more than the narrow
+# window's kernels gain (0.329 -> 0.318 ms), so narrow windows keep pointers. The float32 rows are for
+# accuracy, not speed, and keep the pointer path, as does the unmeasured D = 256 row.
 _BACKWARD_16BIT = (
-    (64, True, (64, 64, 4, 3), (64, 64, 4, 2)),     # narrow window: a KV tile is seen by few Q tiles
-    (64, False, (64, 64, 4, 3), (128, 64, 8, 2)),
-    (128, False, (64, 128, 8, 3), (128, 64, 8, 3)),
-    (256, False, (16, 32, 4, 1), (32, 32, 4, 1)),
+    (64, True, (64, 64, 4, 3, False), (64, 64, 4, 2, False)),   # narrow window: a KV tile is seen by few Q tiles
+    (64, False, (64, 64, 4, 3, True), (128, 64, 8, 2, True)),
+    (128, False, (64, 128, 8, 3, False), (128, 64, 8, 3, True)),
+    (256, False, (16, 32, 4, 1, False), (32, 32, 4, 1, False)),
 )
 
 
@@ -158,5 +169,7 @@ def backward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device)
         return BackwardConfig(16, 32, 32, 16)
     narrow = 0 <= pattern.left and 0 <= pattern.right and pattern.left + pattern.right + 1 <= 256
     dkdv, dq = next((r[2], r[3]) for r in _BACKWARD_16BIT if d_pad <= r[0] and (narrow or not r[1]))
+    hopper = torch.cuda.get_device_capability(device)[0] >= 9  # the copy engine behind tensor descriptors
     return BackwardConfig(dkdv[0], dkdv[1], dq[0], dq[1], dkdv_warps=dkdv[2], dkdv_stages=dkdv[3],
-                          dq_warps=dq[2], dq_stages=dq[3], flat=narrow)
+                          dq_warps=dq[2], dq_stages=dq[3], flat=narrow, dkdv_tma=dkdv[4] and hopper,
+                          dq_tma=dq[4] and hopper)
