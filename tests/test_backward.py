@@ -287,6 +287,20 @@ def test_interpreter_config_is_small():
     assert max(cfg.dkdv_m, cfg.dkdv_n, cfg.dq_m, cfg.dq_n) <= 32
 
 
+@pytest.mark.parametrize("capability,D,pattern_args,batch_heads,expected", [
+    ((9, 0), 64, dict(causal=True), 2 * 64, (True, True)),          # gpt-oss causal: work 1.4e11
+    ((9, 0), 128, dict(causal=True), 2 * 64, (False, True)),        # dK/dV at D = 128 measured slower
+    ((9, 0), 64, dict(causal=True, window=(127, 0)), 2 * 64, (False, False)),  # narrow window
+    ((9, 0), 16, dict(causal=True), 16, (False, False)),            # stage shape: work 4.3e9, host-bound
+    ((8, 0), 64, dict(causal=True), 2 * 64, (False, False)),        # no copy engine before Hopper
+])
+def test_cuda_config_descriptor_rule(capability, D, pattern_args, batch_heads, expected, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    cfg = backward_config(D, torch.bfloat16, Pattern.make(4096, 4096, **pattern_args), "cuda",
+                          batch_heads=batch_heads)
+    assert (cfg.dkdv_tma, cfg.dq_tma) == expected
+
+
 def _end_to_end(q, k, v, sinks, dout, dlse, pattern_args, scale):
     """Gradients of ``out . dout + lse . dlse`` through gstar.flash_attention(backend="triton")."""
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]  # same storage: strided layouts survive
@@ -407,6 +421,30 @@ def test_gpu_forced_split_within_bar(pattern_args, flat):
     grads = attention_backward(dout, q, k, v, out, lse, None, sinks, pattern, scale, config=cfg)
     ref = _oracle_by_kv_head(q, k, v, sinks, dout, None, pattern_args, scale, torch.float32)
     pt = _oracle_by_kv_head(q, k, v, sinks, dout, None, pattern_args, scale, torch.bfloat16)
+    _check_bar(grads, ref, pt)
+    _check_exact_zeros(grads, pattern)
+
+
+DESCRIPTOR_CASES = [GPU_CASES[i] for i in (3, 4, 7, 8, 9)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", DESCRIPTOR_CASES, ids=[c[0] for c in DESCRIPTOR_CASES])
+def test_gpu_descriptor_loads_within_bar(case):
+    """Tensor-descriptor loads forced on at shapes below their work threshold: padded head dims, ragged
+    lengths, empty rows, a narrow window's flat loops, in "bnhd" layout (strided heads)."""
+    _, dtype, B, Hq, Hkv, Nq, Nk, D, pattern_args, sink_mag, use_dlse = case
+    q, k, v = make_qkv(B, Hq, Hkv, Nq, Nk, D, dtype, device="cuda", layout="bnhd")
+    sinks = (torch.rand(Hq, device="cuda") * 2 - 1) * sink_mag if sink_mag else None
+    dout = torch.randn(B, Hq, Nq, D, device="cuda").to(dtype)
+    dlse = torch.randn(B, Hq, Nq, device="cuda") if use_dlse else None
+    pattern, scale = Pattern.make(Nq, Nk, **pattern_args), D ** -0.5
+    cfg = dataclasses.replace(backward_config(D, dtype, pattern, "cuda"), dkdv_tma=True, dq_tma=True)
+    out, lse = gstar.flash_attention(q, k, v, sinks=sinks, scale=scale, backend="triton", return_lse=True,
+                                     **pattern_args)
+    grads = attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern, scale, config=cfg)
+    ref = _oracle_by_kv_head(q, k, v, sinks, dout, dlse, pattern_args, scale, torch.float32)
+    pt = _oracle_by_kv_head(q, k, v, sinks, dout, dlse, pattern_args, scale, dtype)
     _check_bar(grads, ref, pt)
     _check_exact_zeros(grads, pattern)
 

@@ -517,7 +517,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
             if dlse is not None:
                 dsinks += dlse.float().sum(dim=(0, 2))
         return (*grads, dsinks)
-    cfg = config or backward_config(D, q.dtype, pattern, q.device)
+    cfg = config or backward_config(D, q.dtype, pattern, q.device, batch_heads=B * Hq)
     d_pad = pad_head_dim(D)
     cu_q, cu_k = cu_seqlens if varlen else (lse, lse)  # any pointer when VARLEN is off
     seqs = cu_q.shape[0] - 1 if varlen else B

@@ -142,9 +142,13 @@ class BackwardConfig:
 # TMA (fifth session, H200, scripts/kernel-times): descriptor loads of the per-step tiles made dQ faster
 # everywhere (gpt-oss causal 0.817 -> 0.776 ms, window 0.156 -> 0.148, D128 full 5.75 -> 5.01) and dK/dV
 # at D <= 64 (causal 1.332 -> 1.243), but dK/dV at D = 128 slower (7.92 -> 10.21 ms). Each descriptor
-# launch costs ~25 us more host time (Triton builds the descriptors in Python), more than the narrow
-# window's kernels gain (0.329 -> 0.318 ms), so narrow windows keep pointers. The float32 rows are for
-# accuracy, not speed, and keep the pointer path, as does the unmeasured D = 256 row.
+# launch costs ~25 us more host time (Triton encodes the descriptors in Python at every launch), more
+# than the narrow window's kernels gain (0.329 -> 0.318 ms), so narrow windows keep pointers, and so do
+# backward passes under _DESCRIPTOR_MIN_WORK (B * Hq * Nq * keys per row (the window's width, or Nk) *
+# D_PAD; the gpt-oss causal case is 1.4e11): their GPU work (~0.3 ms at 1e10) is too short for the host
+# to stay ahead of it. The float32 rows are for accuracy, not speed, and keep the pointer path, as does
+# the unmeasured D = 256 row.
+_DESCRIPTOR_MIN_WORK = 10 ** 10
 _BACKWARD_16BIT = (
     (64, True, (64, 64, 4, 3, False), (64, 64, 4, 2, False)),   # narrow window: a KV tile is seen by few Q tiles
     (64, False, (64, 64, 4, 3, True), (128, 64, 8, 2, True)),
@@ -153,8 +157,10 @@ _BACKWARD_16BIT = (
 )
 
 
-def backward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device) -> BackwardConfig:
-    """Launch settings of the backward kernels (same arguments as ``configs.forward_config``).
+def backward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device, batch_heads: int = 1
+                    ) -> BackwardConfig:
+    """Launch settings of the backward kernels (same arguments as ``configs.forward_config``, and
+    ``batch_heads`` = B * Hq, which with the pattern sizes the work for the descriptor switches).
 
     Under the interpreter the tiles are small and unequal, so that the two block tables differ and tests
     span several tiles; the dK/dV split is left to :func:`gstar.kernels.backward.split_plan` (which does not
@@ -169,7 +175,10 @@ def backward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device)
         return BackwardConfig(16, 32, 32, 16)
     narrow = 0 <= pattern.left and 0 <= pattern.right and pattern.left + pattern.right + 1 <= 256
     dkdv, dq = next((r[2], r[3]) for r in _BACKWARD_16BIT if d_pad <= r[0] and (narrow or not r[1]))
-    hopper = torch.cuda.get_device_capability(device)[0] >= 9  # the copy engine behind tensor descriptors
+    keys = pattern.nk if pattern.left < 0 or pattern.right < 0 else pattern.left + pattern.right + 1
+    work = batch_heads * pattern.nq * min(pattern.nk, keys + pattern.sink_tokens) * d_pad
+    # descriptors need Hopper's copy engine, and enough work to hide their host cost
+    tma = torch.cuda.get_device_capability(device)[0] >= 9 and work >= _DESCRIPTOR_MIN_WORK
     return BackwardConfig(dkdv[0], dkdv[1], dq[0], dq[1], dkdv_warps=dkdv[2], dkdv_stages=dkdv[3],
-                          dq_warps=dq[2], dq_stages=dq[3], flat=narrow, dkdv_tma=dkdv[4] and hopper,
-                          dq_tma=dq[4] and hopper)
+                          dq_warps=dq[2], dq_stages=dq[3], flat=narrow, dkdv_tma=dkdv[4] and tma,
+                          dq_tma=dq[4] and tma)
