@@ -536,10 +536,8 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
     )
     runtime = (pattern.left, pattern.right, pattern.sink_tokens, scale, scale * LOG2E)
     operands = (*strides(q), *strides(k), *strides(v), *strides(dout))
-    # descriptor loads inside the flat loops gave wrong gradients on an H200 (fifth session), as they gave
-    # a wrong forward there: flat configs keep the pointer path
-    dq_tma = cfg.dq_tma and not cfg.flat and not varlen and descriptors.supported(k, v)
-    dkdv_tma = cfg.dkdv_tma and not cfg.flat and not varlen and descriptors.supported(q, dout)
+    dq_tma = cfg.dq_tma and not varlen and descriptors.supported(k, v)
+    dkdv_tma = cfg.dkdv_tma and not varlen and descriptors.supported(q, dout)
     k_in, v_in, q_in, do_in = k, v, q, dout
     if dq_tma:  # dQ reads its K, V tiles through descriptors
         k_in, v_in = (descriptors.tiles(t, (1, 1, cfg.dq_n, d_pad)) for t in (k, v))

@@ -111,7 +111,7 @@ class BackwardConfig:
     instead of one loop per (head, masked / unmasked range): narrow windows have few tiles per range, and
     short loops spend most of their time filling and draining the pipeline. ``dkdv_tma`` and ``dq_tma``
     move the tiles that each step loads (dK/dV: Q and dO; dQ: K and V) through tensor descriptors
-    (:mod:`gstar.kernels.descriptors`) where the operands allow it and ``flat`` is off.
+    (:mod:`gstar.kernels.descriptors`) where the operands allow it.
     """
 
     dkdv_m: int
