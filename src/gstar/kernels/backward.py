@@ -16,6 +16,10 @@ Kernels, each one family specialised by ``tl.constexpr`` flags, in launch order:
 * ``_sum_partials``: when work is split, each program writes float32 partials and this kernel adds them,
   per KV tile, in a fixed order. Without a split ``_dkdv`` writes dK, dV directly.
 
+On Hopper, large dense problems read the tiles each step loads (dQ: K, V; dK/dV: Q, dO) through tensor
+descriptors (``TMA``, :mod:`gstar.kernels.descriptors`; chosen by ``configs.backward_config``): the copy
+engine zero-fills rows past the sequence and lanes past the head dim, so those loads need no masks.
+
 Packed sequences (``VARLEN``) run the same kernels with the sequence on grid axis 2: each program reads
 its sequence's bounds from ``cu_seqlens`` on the device, so one launch per kernel covers every sequence.
 
