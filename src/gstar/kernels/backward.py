@@ -76,6 +76,25 @@ def _load_rows(ptr, idx, n, stride, offs_d, CHECK_ROWS: tl.constexpr, HEAD_DIM: 
 
 
 @triton.jit
+def _load_pair(A, B, seq, head, start, n, stride_a, stride_b, offs_d, ROWS: tl.constexpr, CHECK_ROWS: tl.constexpr,
+               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TMA: tl.constexpr):
+    """Rows ``start .. start + ROWS - 1`` of one head of two operands as (ROWS, D_PAD) tiles, zeros outside.
+
+    With TMA, A and B are descriptors over (B, H, n, HEAD_DIM) read at batch ``seq``, head ``head`` (int32),
+    whose copy engine zero-fills rows past n and lanes past HEAD_DIM; otherwise pointers at row 0 of the
+    head (see ``_load_rows``).
+    """
+    if TMA:
+        a = A.load([seq, head, start, 0]).reshape(ROWS, D_PAD)
+        b = B.load([seq, head, start, 0]).reshape(ROWS, D_PAD)
+    else:
+        idx = start + tl.arange(0, ROWS)                                                # (ROWS,)
+        a = _load_rows(A, idx, n, stride_a, offs_d, CHECK_ROWS, HEAD_DIM, D_PAD)
+        b = _load_rows(B, idx, n, stride_b, offs_d, CHECK_ROWS, HEAD_DIM, D_PAD)
+    return a, b
+
+
+@triton.jit
 def _store_rows(ptr, idx, n, stride, offs_d, x, HEAD_DIM: tl.constexpr):
     """Stores the (R, D_PAD) tile ``x`` into rows ``idx`` (R,) of an (n, HEAD_DIM) matrix, cast to its dtype."""
     ptrs = ptr + idx.to(tl.int64)[:, None] * stride + offs_d[None, :]
@@ -134,12 +153,8 @@ def _dkdv_step(
     Scores are kept transposed, (BLOCK_N, BLOCK_M), so that both products land in the accumulators' layout.
     """
     offs_m = m_start + tl.arange(0, BLOCK_M)                                            # (BLOCK_M,)
-    if TMA:  # rows past Nq and lanes past HEAD_DIM arrive as zeros
-        q = Q.load([seq, head, m_start, 0]).reshape(BLOCK_M, D_PAD)                     # (BLOCK_M, D_PAD)
-        do = DO.load([seq, head, m_start, 0]).reshape(BLOCK_M, D_PAD)                   # (BLOCK_M, D_PAD)
-    else:
-        q = _load_rows(Q, offs_m, nq, stride_qn, offs_d, MASKED, HEAD_DIM, D_PAD)
-        do = _load_rows(DO, offs_m, nq, stride_don, offs_d, MASKED, HEAD_DIM, D_PAD)
+    q, do = _load_pair(Q, DO, seq, head, m_start, nq, stride_qn, stride_don, offs_d, BLOCK_M, MASKED, HEAD_DIM,
+                       D_PAD, TMA)                                                      # (BLOCK_M, D_PAD)
     if MASKED:
         lse2 = tl.load(LSE2 + offs_m, mask=offs_m < nq, other=float("inf"))             # (BLOCK_M,)
         delta = tl.load(DELTA + offs_m, mask=offs_m < nq, other=0.0)                    # (BLOCK_M,)
@@ -302,12 +317,8 @@ def _dq_step(
     descriptors over (B, Hkv, Nk, HEAD_DIM) read at batch ``seq``, head ``kv_head`` (int32).
     """
     offs_n = n_start + tl.arange(0, BLOCK_N)                                            # (BLOCK_N,)
-    if TMA:  # keys past Nk and lanes past HEAD_DIM arrive as zeros
-        k = K.load([seq, kv_head, n_start, 0]).reshape(BLOCK_N, D_PAD)                  # (BLOCK_N, D_PAD)
-        v = V.load([seq, kv_head, n_start, 0]).reshape(BLOCK_N, D_PAD)                  # (BLOCK_N, D_PAD)
-    else:
-        k = _load_rows(K, offs_n, nk, stride_kn, offs_d, MASKED, HEAD_DIM, D_PAD)
-        v = _load_rows(V, offs_n, nk, stride_vn, offs_d, MASKED, HEAD_DIM, D_PAD)
+    k, v = _load_pair(K, V, seq, kv_head, n_start, nk, stride_kn, stride_vn, offs_d, BLOCK_N, MASKED, HEAD_DIM,
+                      D_PAD, TMA)                                                       # (BLOCK_N, D_PAD)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)                                # (BLOCK_M, BLOCK_N)
     p = tl.math.exp2(s * qk_scale - lse2[:, None])
     if MASKED:
