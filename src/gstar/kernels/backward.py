@@ -566,8 +566,8 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
     shares = outputs.empty((seqs, n_q_tiles, Hq) if sinks is not None else (1,), dtype=torch.float32,
                            device=q.device)                                    # (B, n_q_tiles, Hq) of dsinks
     _dq[(n_q_tiles, Hq, seqs)](
-        q, k_in, v_in, out, dout, dl, lse, sinks, lse2, delta, dq, shares, kv_table, cu_q, cu_k, *strides(q), *strides(k),
-        *strides(v), *strides(out), *strides(dout), *strides(dq), *strides(dl), *strides(lse)[:2], Nq, Nk,
+        q, k_in, v_in, out, dout, dl, lse, sinks, lse2, delta, dq, shares, kv_table, cu_q, cu_k, *strides(q),
+        *strides(k), *strides(v), *strides(out), *strides(dout), *strides(dq), *strides(dl), *strides(lse)[:2], Nq, Nk,
         *runtime, HAS_DLSE=dlse is not None, HAS_SINKS=sinks is not None, BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n,
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, TMA=dq_tma, **shared,
     )
