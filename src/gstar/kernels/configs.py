@@ -26,6 +26,13 @@ _FORWARD_16BIT = (
 # masked keys at the band's edges and give the SMs more programs (gpt-oss window: 0.126 ms vs 0.177 ms).
 _NARROW_WINDOW = 256
 _FORWARD_NARROW_16BIT = (64, 64, 4, 2)  # BLOCK_M, BLOCK_N, num_warps, num_stages
+
+
+def _band_width(pattern: Pattern) -> int | None:
+    """Keys a row's window band spans (``left + right + 1``); None when either side is unbounded."""
+    if pattern.left < 0 or pattern.right < 0:
+        return None
+    return pattern.left + pattern.right + 1
 # float32 tiles take twice the shared memory and registers (IEEE dots run on FMA units, not tensor cores)
 _FORWARD_FP32 = (
     (64, 64, 32, 8, 2),
@@ -61,12 +68,13 @@ def forward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device, 
                     TILES_FASTEST=_FORWARD_TILES_FASTEST, FLAT=False)
     table = _FORWARD_FP32 if dtype == torch.float32 else _FORWARD_16BIT
     block_m, block_n, num_warps, num_stages = next(row[1:] for row in table if head_dim <= row[0])
-    narrow = 0 <= pattern.left and 0 <= pattern.right and pattern.left + pattern.right + 1 <= _NARROW_WINDOW
+    band = _band_width(pattern)
+    narrow = band is not None and band <= _NARROW_WINDOW
     if narrow and dtype != torch.float32 and head_dim <= 128:
         block_m, block_n, num_warps, num_stages = _FORWARD_NARROW_16BIT
     if pattern.nq <= 64:
         block_m = min(block_m, 64)  # short queries (decode, chunked prefill): don't compute dead rows
-    if 0 <= pattern.left and 0 <= pattern.right and pattern.left + pattern.right + 1 <= 64:
+    if band is not None and band <= 64:
         block_n = min(block_n, 32)  # narrow windows: smaller KV blocks waste fewer masked keys
     if torch.cuda.get_device_capability(device)[0] < 9:
         num_stages = min(num_stages, 2)  # pre-Hopper parts have less shared memory per SM
@@ -173,10 +181,10 @@ def backward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device,
         if d_pad > 128:
             return BackwardConfig(16, 16, 16, 16)
         return BackwardConfig(16, 32, 32, 16)
-    narrow = 0 <= pattern.left and 0 <= pattern.right and pattern.left + pattern.right + 1 <= 256
+    band = _band_width(pattern)
+    narrow = band is not None and band <= _NARROW_WINDOW
     dkdv, dq = next((r[2], r[3]) for r in _BACKWARD_16BIT if d_pad <= r[0] and (narrow or not r[1]))
-    keys = pattern.nk if pattern.left < 0 or pattern.right < 0 else pattern.left + pattern.right + 1
-    work = batch_heads * pattern.nq * min(pattern.nk, keys + pattern.sink_tokens) * d_pad
+    work = batch_heads * pattern.nq * min(pattern.nk, (band or pattern.nk) + pattern.sink_tokens) * d_pad
     # descriptors need Hopper's copy engine, and enough work to hide their host cost
     tma = torch.cuda.get_device_capability(device)[0] >= 9 and work >= _DESCRIPTOR_MIN_WORK
     return BackwardConfig(dkdv[0], dkdv[1], dq[0], dq[1], dkdv_warps=dkdv[2], dkdv_stages=dkdv[3],

@@ -1,8 +1,8 @@
 """Tensor descriptors (Hopper's TMA copy engine) for the kernels' dense ``(B, H, N, D)`` operands.
 
-A descriptor load moves a whole tile in one instruction issued by one thread, zero-fills what lies past
-the tensor's edges (keys past ``Nk``, head-dim lanes past ``D``) and a descriptor store clips there, so the
-kernel spends no registers or instructions on addresses and masks. The copy engine needs a 16-byte-aligned
+A descriptor load moves a whole tile in one instruction issued by one thread and zero-fills what lies past
+the tensor's edges (keys past ``Nk``, head-dim lanes past ``D``), so the kernel spends no registers or
+instructions on addresses and masks (the backward's per-step loads use them; see ``configs.BackwardConfig``). The copy engine needs a 16-byte-aligned
 base, a unit last stride and 16-byte multiples for the other strides; operands that miss any of these
 (odd head dims in a ``(B, N, H, D)`` layout, broadcast heads with stride 0) keep the pointer path.
 """
@@ -14,7 +14,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 def supported(*tensors: torch.Tensor) -> bool:
-    """Whether every one of these 4-d tensors can be read and written through a descriptor."""
+    """Whether every one of these 4-d tensors can be read through a descriptor."""
     for t in tensors:
         if t.data_ptr() % 16 or t.stride(-1) != 1 or 0 in t.shape:
             return False
