@@ -22,11 +22,14 @@ and ``sink_tokens``; ``backend`` is ``"triton"`` or ``"torch"``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .pattern import Pattern
 
 
+@functools.cache  # imported on first use (the kernels import triton), then looked up for free
 def _backend_fns(backend: str):
     """(forward, backward) of a backend; both take and return the tensors documented in each module."""
     if backend == "torch":

@@ -44,7 +44,8 @@ import triton.language as tl
 from ..pattern import (KV_BAND_END, KV_BAND_START, KV_FULL_END, KV_FULL_START, KV_SINK_END, Q_END, Q_FULL_END,
                        Q_FULL_START, Q_START, Pattern, kv_block_table, q_block_table)
 from . import descriptors, outputs
-from .configs import BackwardConfig, backward_config, dot_precision, pad_head_dim
+from .configs import BackwardConfig, backward_config, cdiv, dot_precision, pad_head_dim
+from .launch import launch
 from .ranges import kv_range, q_range, sequence_bounds
 
 LOG2E = math.log2(math.e)
@@ -538,7 +539,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
     seqs = cu_q.shape[0] - 1 if varlen else B
 
     def strides(t):  # packed sequences are found through cu_seqlens, not a batch stride
-        return (0 if varlen else t.stride(0)), t.stride(1), t.stride(2)
+        return (0, *t.stride()[1:3]) if varlen else t.stride()[:3]
 
     delta = outputs.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)        # like lse
     lse2 = outputs.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)         # like lse
@@ -561,13 +562,14 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
 
     # dQ first: its programs also store delta and lse2, which every dK/dV program reads
     dq = like(q)
-    n_q_tiles = triton.cdiv(pattern.nq, cfg.dq_m)
+    n_q_tiles = cdiv(pattern.nq, cfg.dq_m)
     kv_table = lse if varlen else kv_block_table(pattern, cfg.dq_m, cfg.dq_n, q.device)   # (n_q_tiles, 5)
     shares = outputs.empty((seqs, n_q_tiles, Hq) if sinks is not None else (1,), dtype=torch.float32,
                            device=q.device)                                    # (B, n_q_tiles, Hq) of dsinks
-    _dq[(n_q_tiles, Hq, seqs)](
-        q, k_in, v_in, out, dout, dl, lse, sinks, lse2, delta, dq, shares, kv_table, cu_q, cu_k, *strides(q),
-        *strides(k), *strides(v), *strides(out), *strides(dout), *strides(dq), *strides(dl), *strides(lse)[:2], Nq, Nk,
+    launch(
+        _dq, (n_q_tiles, Hq, seqs), q, k_in, v_in, out, dout, dl, lse, sinks, lse2, delta, dq, shares, kv_table,
+        cu_q, cu_k, *strides(q), *strides(k), *strides(v), *strides(out), *strides(dout), *strides(dq),
+        *strides(dl), *strides(lse)[:2], Nq, Nk,
         *runtime, HAS_DLSE=dlse is not None, HAS_SINKS=sinks is not None, BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n,
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, TMA=dq_tma, **shared,
     )
@@ -576,7 +578,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
     dk, dv = like(k), like(v)
     if varlen:
         head_splits, work, first = 1, lse, None
-        n_items = n_tiles = triton.cdiv(pattern.nk, cfg.dkdv_n)
+        n_items = n_tiles = cdiv(pattern.nk, cfg.dkdv_n)
     else:
         head_splits, work, first = split_plan(pattern, cfg.dkdv_m, cfg.dkdv_n, group, Hkv * B, q.device,
                                               head_splits=cfg.head_splits, q_chunk=cfg.q_chunk)
@@ -587,16 +589,17 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
         parts = (B, Hkv, head_splits, n_items, cfg.dkdv_n, d_pad)
         pk = outputs.empty(parts, dtype=torch.float32, device=q.device)
         pv = outputs.empty(parts, dtype=torch.float32, device=q.device)
-    _dkdv[(n_items, Hkv * head_splits, seqs)](
-        q_in, k, v, do_in, lse2, delta, pk, pv, work, cu_q, cu_k, *operands, *strides(dk), *strides(dv),
-        *strides(lse)[:2], Nq, Nk, head_splits, n_items, *runtime, SPLIT=split, BLOCK_M=cfg.dkdv_m,
-        BLOCK_N=cfg.dkdv_n, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, TMA=dkdv_tma, **shared,
+    launch(
+        _dkdv, (n_items, Hkv * head_splits, seqs), q_in, k, v, do_in, lse2, delta, pk, pv, work, cu_q, cu_k,
+        *operands, *strides(dk), *strides(dv), *strides(lse)[:2], Nq, Nk, head_splits, n_items, *runtime,
+        SPLIT=split, BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+        TMA=dkdv_tma, **shared,
     )
     if split:
-        _sum_partials[(n_tiles, Hkv, B)](
-            pk, pv, dk, dv, first, *dk.stride()[:3], *dv.stride()[:3], Hkv, Nk, head_splits, n_items,
-            BLOCK_N=cfg.dkdv_n, ROWS=min(cfg.dkdv_n, max(16, 2048 // d_pad)), HEAD_DIM=D, D_PAD=d_pad,
-            num_warps=4,
+        launch(
+            _sum_partials, (n_tiles, Hkv, B), pk, pv, dk, dv, first, *dk.stride()[:3], *dv.stride()[:3], Hkv, Nk,
+            head_splits, n_items, BLOCK_N=cfg.dkdv_n, ROWS=min(cfg.dkdv_n, max(16, 2048 // d_pad)), HEAD_DIM=D,
+            D_PAD=d_pad, num_warps=4,
         )
 
     return dq, dk, dv, dsinks

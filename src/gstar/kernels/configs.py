@@ -7,10 +7,10 @@ for Hopper (H100: 228 KiB shared memory per SM): the Q tile stays resident and K
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from ..pattern import Pattern
 
@@ -54,6 +54,13 @@ _FORWARD_TILES_FASTEST = False
 _FORWARD_FLAT_NARROW = True
 
 
+@functools.lru_cache(maxsize=16)
+def _major(device: torch.device) -> int:
+    """The compute capability's major version (9: Hopper), asked once per device: every call's config
+    reads it, and torch's query costs microseconds of host time that small shapes feel."""
+    return torch.cuda.get_device_capability(device)[0]
+
+
 def forward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device, group: int = 1) -> dict:
     """Launch settings of the forward kernel.
 
@@ -76,10 +83,10 @@ def forward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device, 
         block_m = min(block_m, 64)  # short queries (decode, chunked prefill): don't compute dead rows
     if band is not None and band <= 64:
         block_n = min(block_n, 32)  # narrow windows: smaller KV blocks waste fewer masked keys
-    if torch.cuda.get_device_capability(device)[0] < 9:
+    if _major(torch.device(device)) < 9:
         num_stages = min(num_stages, 2)  # pre-Hopper parts have less shared memory per SM
     # a head's rows of a tile need not outnumber the queries: decode (Nq = 1) packs a whole group
-    min_rows = min(_PACK_MIN_ROWS, triton.next_power_of_2(pattern.nq))
+    min_rows = min(_PACK_MIN_ROWS, next_power_of_2(pattern.nq))
     pack = 1
     while pack * 2 <= _FORWARD_PACK_GQA and group % (pack * 2) == 0 and block_m // (pack * 2) >= min_rows:
         pack *= 2
@@ -101,9 +108,20 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32" if allowed else "ieee"
 
 
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1). Plain Python: ``triton.next_power_of_2`` and
+    ``triton.cdiv`` are constexpr functions that cost ~1.5 us per host call."""
+    return 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive b, on the host (see :func:`next_power_of_2`)."""
+    return -(-a // b)
+
+
 def pad_head_dim(d: int) -> int:
     """The head dim the kernels compute with: the next power of two, at least 16 (tl.dot's minimum)."""
-    return max(16, triton.next_power_of_2(d))
+    return max(16, next_power_of_2(d))
 
 
 @dataclass(frozen=True)
@@ -186,7 +204,7 @@ def backward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device,
     dkdv, dq = next((r[2], r[3]) for r in _BACKWARD_16BIT if d_pad <= r[0] and (narrow or not r[1]))
     work = batch_heads * pattern.nq * min(pattern.nk, (band or pattern.nk) + pattern.sink_tokens) * d_pad
     # descriptors need Hopper's copy engine, and enough work to hide their host cost
-    tma = torch.cuda.get_device_capability(device)[0] >= 9 and work >= _DESCRIPTOR_MIN_WORK
+    tma = _major(torch.device(device)) >= 9 and work >= _DESCRIPTOR_MIN_WORK
     return BackwardConfig(dkdv[0], dkdv[1], dq[0], dq[1], dkdv_warps=dkdv[2], dkdv_stages=dkdv[3],
                           dq_warps=dq[2], dq_stages=dq[3], flat=narrow, dkdv_tma=dkdv[4] and tma,
                           dq_tma=dq[4] and tma)

@@ -25,7 +25,8 @@ import triton.language as tl
 
 from ..pattern import Pattern
 from . import outputs
-from .configs import dot_precision, forward_config, pad_head_dim
+from .configs import cdiv, dot_precision, forward_config, pad_head_dim
+from .launch import launch
 from .ranges import kv_range, sequence_bounds
 
 LOG2E = math.log2(math.e)
@@ -252,15 +253,15 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
     d_pad = pad_head_dim(D)
     cu_q, cu_k = cu_seqlens if varlen else (lse, lse)  # any pointer when VARLEN is off
     seqs = cu_q.shape[0] - 1 if varlen else B
-    grid = (Hq // pack, triton.cdiv(pattern.nq, rows), seqs)
+    grid = (Hq // pack, cdiv(pattern.nq, rows), seqs)
     if cfg["TILES_FASTEST"]:
         grid = (grid[1], grid[0], seqs)
 
     def strides(t):  # packed sequences are found through cu_seqlens, not a batch stride
-        return (0 if varlen else t.stride(0)), t.stride(1), t.stride(2)
+        return (0, *t.stride()[1:3]) if varlen else t.stride()[:3]
 
-    _forward_kernel[grid](
-        q, k, v, sinks, out, lse, cu_q, cu_k,
+    launch(
+        _forward_kernel, grid, q, k, v, sinks, out, lse, cu_q, cu_k,
         *strides(q), *strides(k), *strides(v), *strides(out), *strides(lse)[:2],
         Hq // Hkv, Nq, Nk, pattern.left, pattern.right, pattern.sink_tokens, scale * LOG2E,
         HEAD_DIM=D, D_PAD=d_pad, EVEN_D=d_pad == D, BLOCK_M=block_m, BLOCK_N=block_n, PACK=pack,

@@ -1,0 +1,114 @@
+"""The launch cache (gstar.kernels.launch): equal keys only where Triton's specialisation is equal."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from gstar.kernels import launch as launching
+from gstar.kernels.descriptors import tiles
+from gstar.kernels.launch import launch
+
+
+@triton.jit
+def _scaled_copy(X, Y, n, stride, factor, BLOCK: tl.constexpr, NEGATE: tl.constexpr = False):
+    """Y[i] = factor * X[i * stride] for i < n (negated with NEGATE)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    y = tl.load(X + i * stride, mask=i < n) * factor
+    tl.store(Y + i, -y if NEGATE else y, mask=i < n)
+
+
+def _aligned_and_shifted(n, dtype=torch.float16, device="cpu"):
+    storage = torch.randn(n + 8, dtype=dtype, device=device)
+    return storage[:n], storage[1:n + 1]                          # base 0 and 2 bytes past 16-byte alignment
+
+
+def test_keys_separate_what_triton_specialises_on():
+    aligned, shifted = _aligned_and_shifted(64)
+    sig = launching._signature
+    assert sig((aligned, 16)) != sig((shifted, 16))                 # pointer alignment
+    assert sig((aligned, 16)) != sig((aligned.float(), 16))         # dtype
+    assert sig((aligned, 1)) != sig((aligned, 17)) != sig((aligned, 16))  # ints: exact value
+    assert sig((aligned, True)) != sig((aligned, 1))                # a bool is not the int 1
+    assert sig((aligned, None)) != sig((aligned, 0))
+    assert sig((aligned, 0.5)) == sig((aligned.clone(), 2.0))       # floats are not specialised, nor storage
+    assert sig((tiles(torch.randn(1, 1, 32, 16), (1, 1, 16, 16)),)) is None  # descriptors: Triton's own path
+
+
+def _run_and_check(device, x, n, stride, factor, negate=False):
+    y = torch.full((n,), float("nan"), dtype=x.dtype, device=device)
+    launch(_scaled_copy, (triton.cdiv(n, 32), 1, 1), x, y, n, stride, factor, BLOCK=32, NEGATE=negate,
+           num_warps=1, num_stages=1)
+    want = x[: n * stride: stride] * factor
+    torch.testing.assert_close(y, -want if negate else want)
+
+
+def test_launch_runs_the_kernel(device):
+    """On CPU (interpreter) every launch takes Triton's own path; on a GPU the second one hits the cache."""
+    launching._caches.pop(_scaled_copy, None)
+    x = torch.randn(103, device=device)
+    for factor in (2.0, 3.0):
+        _run_and_check(device, x, 33, 3, factor)
+    assert len(launching._caches.get(_scaled_copy, {})) == (1 if device == "cuda" else 0)
+
+
+@pytest.mark.gpu
+def test_cached_launches_respect_specialisation():
+    """Repeated launches alternate between signatures that compile differently: shifted pointers,
+    strides of 1 and 16, constexpr flags; each result is checked, and each signature gets its own entry."""
+    launching._caches.pop(_scaled_copy, None)
+    aligned, shifted = _aligned_and_shifted(4096, device="cuda")
+    assert shifted.data_ptr() % 16
+    calls = [(aligned, 100, 1, False), (shifted, 100, 1, False), (aligned, 100, 16, False),
+             (shifted, 37, 3, True), (aligned, 100, 1, True)]
+    for _ in range(2):
+        for x, n, stride, negate in calls:
+            _run_and_check("cuda", x, n, stride, 1.5, negate)
+    assert len(launching._caches[_scaled_copy]) == len(calls)
+
+
+@pytest.mark.gpu
+def test_attention_with_shifted_inputs_after_aligned_ones():
+    """A cached kernel compiled for 16-byte-aligned q, k, v must not serve the same shapes 2 bytes off:
+    the shifted call takes its own compiled kernel (which may round differently, hence assert_close), and
+    the aligned call after it is bitwise the first one again."""
+    import gstar
+
+    B, H, N, D = 1, 4, 100, 64
+    numel = B * H * N * D
+    values = torch.randn(3, numel, dtype=torch.bfloat16, device="cuda")
+    dout = torch.randn(B, H, N, D, dtype=torch.bfloat16, device="cuda")
+
+    def run(offset):
+        storage = torch.empty(3, numel + 8, dtype=torch.bfloat16, device="cuda")  # rows 16-byte aligned
+        storage[:, offset:offset + numel] = values
+        q, k, v = (storage[i, offset:offset + numel].view(B, H, N, D).detach().requires_grad_() for i in range(3))
+        assert (q.data_ptr() % 16 == 0) == (offset == 0)
+        out = gstar.flash_attention(q, k, v, causal=True, window=(31, 0))
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    aligned, shifted, again = run(0), run(1), run(0)
+    for a, s, r in zip(aligned, shifted, again):
+        torch.testing.assert_close(s, a)
+        assert torch.equal(a, r)
+
+
+def test_launch_hooks_send_launches_through_triton():
+    """A profiler's launch hook must see every launch, so any hook turns the cache off."""
+    from triton import knobs
+
+    assert not launching._hooked(None)
+    assert launching._hooked(print)
+
+    def hook(metadata):
+        pass
+
+    chain = knobs.runtime.launch_enter_hook
+    if not hasattr(chain, "add"):  # older triton: a plain attribute
+        pytest.skip("this triton has no hook chain")
+    assert not launching._hooked(chain)
+    chain.add(hook)
+    try:
+        assert launching._hooked(chain)
+    finally:
+        chain.remove(hook)
