@@ -112,3 +112,28 @@ def test_launch_hooks_send_launches_through_triton():
         assert launching._hooked(chain)
     finally:
         chain.remove(hook)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tensors_on_a_device_that_is_not_current():
+    """A model spread over GPUs calls attention on cuda:1 while cuda:0 is current: the kernels must run
+    on cuda:1 (twice, so that the second call takes the cache) and give cuda:0's results bitwise."""
+    import gstar
+
+    B, Hq, Hkv, N, D = 1, 4, 2, 77, 64
+    cpu = [torch.randn(B, h, N, D, dtype=torch.bfloat16) for h in (Hq, Hkv, Hkv)]
+    sinks, dout = torch.randn(Hq), torch.randn(B, Hq, N, D, dtype=torch.bfloat16)
+
+    def run(device):
+        q, k, v, s = (t.to(device).requires_grad_() for t in (*cpu, sinks))
+        out = gstar.flash_attention(q, k, v, sinks=s, causal=True, window=(20, 0))
+        return [t.cpu() for t in (out, *torch.autograd.grad(out, (q, k, v, s), dout.to(device)))]
+
+    torch.cuda.set_device(0)
+    want = run("cuda:0")
+    for _ in range(2):
+        got = run("cuda:1")
+        assert torch.cuda.current_device() == 0
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)

@@ -62,20 +62,30 @@ _caches: dict = {}  # JITFunction -> {key: _Compiled}
 
 
 def launch(fn, grid: tuple[int, int, int], *args, **kwargs) -> None:
-    """``fn[grid](*args, **kwargs)`` through the cache above.
+    """``fn[grid](*args, **kwargs)`` on the device of the tensors in ``args``, through the cache above.
 
     fn: a ``@triton.jit`` function whose parameters are ``args`` (its runtime arguments, in order) followed
     by constexpr parameters, given in ``kwargs`` (with the launch options ``num_warps``, ``num_stages``) or
-    left at their defaults; grid: three ints.
+    left at their defaults; grid: three ints. Triton launches on the current CUDA device, which need not
+    hold the tensors (a model spread over GPUs calls layer by layer without switching), so a launch for
+    another device switches to it, as PyTorch's own operators do.
     """
+    index = next(a for a in args if isinstance(a, torch.Tensor)).get_device()  # -1 on the CPU
+    if index >= 0 and index != driver.active.get_current_device():
+        with torch.cuda.device(index):
+            _launch(fn, grid, index, args, kwargs)
+    else:
+        _launch(fn, grid, index, args, kwargs)
+
+
+def _launch(fn, grid, device: int, args: tuple, kwargs: dict) -> None:
     signature = None
-    if isinstance(fn, JITFunction) and not (_hooked(knobs.runtime.launch_enter_hook)
-                                            or _hooked(knobs.runtime.launch_exit_hook)):
+    if device >= 0 and isinstance(fn, JITFunction) and not (_hooked(knobs.runtime.launch_enter_hook)
+                                                            or _hooked(knobs.runtime.launch_exit_hook)):
         signature = _signature(args)  # not under the interpreter, nor with a profiler's launch hooks
     if signature is None:
         fn[grid](*args, **kwargs)
         return
-    device = driver.active.get_current_device()
     key = (device, signature, *kwargs.items())
     cache = _caches.setdefault(fn, {})
     hit = cache.get(key)
