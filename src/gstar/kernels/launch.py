@@ -12,7 +12,9 @@ every int, the dtype and 16-byte alignment of every tensor, the type of every fl
 and launch option. Two calls with equal keys therefore have equal Triton specialisations and run the same
 compiled kernel, which the first call obtained through Triton's normal path. Anything else (a tensor
 descriptor argument, a launch hook such as a profiler's, the interpreter) takes Triton's normal path
-every time.
+every time. Exact ints make a shape that changes every call (a decode loop's growing Nk) miss every time:
+those calls pay Triton's normal launch plus the key (a few us), as before the cache. Triton settings
+read at launch (``TRITON_DEBUG``, instrumentation) reach a cached shape only through a new process.
 """
 
 from __future__ import annotations
