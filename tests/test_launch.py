@@ -1,9 +1,12 @@
 """The launch cache (gstar.kernels.launch): equal keys only where Triton's specialisation is equal."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from gstar.kernels import launch as launching
 from gstar.kernels.descriptors import tiles
@@ -16,6 +19,75 @@ def _scaled_copy(X, Y, n, stride, factor, BLOCK: tl.constexpr, NEGATE: tl.conste
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     y = tl.load(X + i * stride, mask=i < n) * factor
     tl.store(Y + i, -y if NEGATE else y, mask=i < n)
+
+
+def _never_compiled(X, n, stride, factor, BLOCK: tl.constexpr, NEGATE: tl.constexpr = False):
+    """A kernel signature for the CPU tests of the cache: they replace its launcher, so it never runs."""
+
+
+class _Recorder:
+    """Stands in for Triton on the CPU: ``triton`` records launches through ``fn[grid]`` (and returns a
+    compiled-kernel stand-in), the stand-in's ``run`` records direct launches."""
+
+    function, packed_metadata = "function handle", "packed metadata"
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        self.fn = JITFunction(_never_compiled)  # a real JITFunction even under the interpreter
+        monkeypatch.setattr(self.fn, "run", self.triton)
+        monkeypatch.setattr(launching, "driver", SimpleNamespace(active=SimpleNamespace(
+            get_current_device=lambda: 0, get_current_stream=lambda device: "stream")))
+
+    def triton(self, *args, grid, warmup, **kwargs):
+        self.calls.append(("triton", args, kwargs))
+        return self
+
+    def run(self, *launcher_args):
+        self.calls.append(("direct", launcher_args))
+
+    def launch(self, *args, **kwargs):
+        launching._launch(self.fn, (3, 1, 1), 0, args, dict(num_warps=4, **kwargs))
+        return self.calls[-1][0]
+
+
+def test_cache_hits_launch_the_compiled_kernel_with_every_argument(monkeypatch):
+    """On a hit the compiled kernel gets the grid, stream, handles, no hooks, the runtime arguments and
+    then the constexprs in signature order (defaults included); any change of key goes through Triton."""
+    rec = _Recorder(monkeypatch)
+    aligned, shifted = _aligned_and_shifted(64)
+    assert rec.launch(aligned, 5, 16, 0.5, BLOCK=32) == "triton"
+    assert rec.launch(aligned, 5, 16, 2.0, BLOCK=32) == "direct"
+    assert rec.calls[-1][1] == (3, 1, 1, "stream", "function handle", "packed metadata", None, None, None,
+                                aligned, 5, 16, 2.0, 32, False)
+    assert rec.launch(shifted, 5, 16, 2.0, BLOCK=32) == "triton"       # alignment
+    assert rec.launch(aligned, 5, 17, 2.0, BLOCK=32) == "triton"       # an int
+    assert rec.launch(aligned, 5, 16, 2.0, BLOCK=64) == "triton"       # a constexpr
+    assert rec.launch(aligned, 5, 16, 2.0, BLOCK=32, NEGATE=True) == "triton"
+    assert rec.launch(aligned, 5, 16, 2.0, BLOCK=32, NEGATE=True) == "direct"
+    assert rec.calls[-1][1][-2:] == (32, True)
+    assert rec.launch(shifted, 5, 16, 2.0, BLOCK=32) == "direct"
+
+
+def test_a_launch_hook_turns_the_cache_off(monkeypatch):
+    from triton import knobs
+
+    assert not launching._hooked(None) and launching._hooked(print)  # older triton: None or a callable
+
+    chain = knobs.runtime.launch_enter_hook
+    if not hasattr(chain, "add"):
+        pytest.skip("this triton has no hook chain")
+    rec = _Recorder(monkeypatch)
+    x = torch.zeros(64)
+
+    def hook(metadata):
+        pass
+
+    chain.add(hook)
+    try:
+        assert [rec.launch(x, 5, 16, 1.0, BLOCK=32) for _ in range(2)] == ["triton", "triton"]
+    finally:
+        chain.remove(hook)
+    assert [rec.launch(x, 5, 16, 1.0, BLOCK=32) for _ in range(2)] == ["triton", "direct"]
 
 
 def _aligned_and_shifted(n, dtype=torch.float16, device="cpu"):
@@ -91,27 +163,6 @@ def test_attention_with_shifted_inputs_after_aligned_ones():
     for a, s, r in zip(aligned, shifted, again):
         torch.testing.assert_close(s, a)
         assert torch.equal(a, r)
-
-
-def test_launch_hooks_send_launches_through_triton():
-    """A profiler's launch hook must see every launch, so any hook turns the cache off."""
-    from triton import knobs
-
-    assert not launching._hooked(None)
-    assert launching._hooked(print)
-
-    def hook(metadata):
-        pass
-
-    chain = knobs.runtime.launch_enter_hook
-    if not hasattr(chain, "add"):  # older triton: a plain attribute
-        pytest.skip("this triton has no hook chain")
-    assert not launching._hooked(chain)
-    chain.add(hook)
-    try:
-        assert launching._hooked(chain)
-    finally:
-        chain.remove(hook)
 
 
 @pytest.mark.gpu
