@@ -42,9 +42,9 @@ import triton
 import triton.language as tl
 
 from ..pattern import (KV_BAND_END, KV_BAND_START, KV_FULL_END, KV_FULL_START, KV_SINK_END, Q_END, Q_FULL_END,
-                       Q_FULL_START, Q_START, Pattern, kv_block_table, q_block_table)
+                       Q_FULL_START, Q_START, Pattern, cdiv, kv_block_table, q_block_table)
 from . import descriptors, outputs
-from .configs import BackwardConfig, backward_config, cdiv, dot_precision, pad_head_dim
+from .configs import BackwardConfig, backward_config, dot_precision, pad_head_dim
 from .launch import launch
 from .ranges import kv_range, q_range, sequence_bounds
 
@@ -438,14 +438,14 @@ def _auto_split(counts: list[int], group: int, programs: int, sms: int) -> tuple
     steps = sum(busy) * group * programs
     if sms == 0 or steps < 2 * sms * _MIN_STEPS:  # tiny problems: the partial sum's launch would cost more
         return 1, max(1, longest)
-    target = max(_MIN_STEPS, -(-steps // (2 * sms)))
+    target = max(_MIN_STEPS, cdiv(steps, 2 * sms))
     typical = busy[len(busy) // 2]
     while True:
         heads = max(d for d in range(1, group + 1) if group % d == 0 and (d == 1 or d * typical <= target))
         q_splits = 1
         if heads * longest > 2 * target:
-            q_splits = min(_MAX_Q_SPLITS, -(-heads * longest // target))
-        chunk = -(-longest // q_splits)
+            q_splits = min(_MAX_Q_SPLITS, cdiv(heads * longest, target))
+        chunk = cdiv(longest, q_splits)
         if heads == group and q_splits == 1:
             # causal: the longest tiles run twice the mean, and halving their programs shortens the tail
             # (H200: gpt-oss causal backward 2.39 -> 2.28 ms, 8k 4.40 -> 4.25); a 128-key window is even
@@ -453,7 +453,7 @@ def _auto_split(counts: list[int], group: int, programs: int, sms: int) -> tuple
             if group % 2 == 0 and 2 * longest > 3 * sum(busy) / len(busy):
                 return 2, longest
             return 1, longest
-        items = sum(max(1, -(-c // chunk)) for c in counts)
+        items = sum(max(1, cdiv(c, chunk)) for c in counts)
         if group // heads * items <= _MAX_PARTIAL_RATIO * len(counts):
             return group // heads, chunk
         target *= 2

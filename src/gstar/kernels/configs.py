@@ -109,14 +109,9 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def next_power_of_2(n: int) -> int:
-    """The smallest power of two >= n (n >= 1). Plain Python: ``triton.next_power_of_2`` and
-    ``triton.cdiv`` are constexpr functions that cost ~1.5 us per host call."""
+    """The smallest power of two >= n (n >= 1), in plain Python: ``triton.next_power_of_2`` is a constexpr
+    function that costs ~1.5 us per host call."""
     return 1 << (n - 1).bit_length()
-
-
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for positive b, on the host (see :func:`next_power_of_2`)."""
-    return -(-a // b)
 
 
 def pad_head_dim(d: int) -> int:

@@ -23,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..pattern import Pattern
+from ..pattern import Pattern, cdiv
 from . import outputs
-from .configs import cdiv, dot_precision, forward_config, pad_head_dim
+from .configs import dot_precision, forward_config, pad_head_dim
 from .launch import launch
 from .ranges import kv_range, sequence_bounds
 
