@@ -173,8 +173,21 @@ def test_public_entry_point(device):
 def test_interpreter_config_is_small():
     cfg = forward_config(64, torch.float32, Pattern.make(100, 100), "cpu", group=4)
     assert set(cfg) == {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "FOLD_SCALE", "PACK_GQA",
-                        "TILES_FASTEST", "FLAT"}
+                        "TILES_FASTEST", "FLAT", "HALVES"}
     assert cfg["BLOCK_M"] <= 32 and cfg["BLOCK_N"] <= 32
+
+
+@pytest.mark.parametrize("D,nq,major,halves", [
+    (128, 4096, 9, True), (96, 256, 9, True), (128, 255, 9, False), (128, 4096, 8, False), (64, 4096, 9, False),
+])
+def test_cuda_config_halves(D, nq, major, halves, monkeypatch):
+    """HALVES (256-row tiles) only on Hopper and only where the queries fill such a tile."""
+    monkeypatch.setattr(configs, "_major", lambda device: major)
+    cfg = forward_config(D, torch.bfloat16, Pattern.make(nq, 4096, causal=True), "cuda", group=8)
+    assert cfg["HALVES"] == halves
+    assert cfg["BLOCK_M"] <= nq or not halves
+    windowed = forward_config(D, torch.bfloat16, Pattern.make(nq, 4096, causal=True, window=(127, 0)), "cuda")
+    assert not windowed["HALVES"]  # narrow windows keep their short tiles
 
 
 @pytest.mark.parametrize("nq", [1, 3, 33, 4096])
@@ -190,13 +203,14 @@ def test_cuda_config_packs_whole_heads(nq, group, D, window, monkeypatch):
         assert pack == min(group & -group, 8)
 
 
-# every combination of the kernel switches; scale < 0 takes the unfolded softmax whatever FOLD_SCALE asks
-SWITCHES = [dict(FOLD_SCALE=f, PACK_GQA=p, TILES_FASTEST=p == 4, FLAT=flat)
+# every combination of the kernel switches (HALVES with each other switch both ways); scale < 0 takes the
+# unfolded softmax whatever FOLD_SCALE asks
+SWITCHES = [dict(FOLD_SCALE=f, PACK_GQA=p, TILES_FASTEST=p == 4, FLAT=flat, HALVES=f != flat)
             for flat in (False, True) for f in (False, True) for p in (1, 4)]
 
 
 def _switch_id(c):
-    return f"fold{int(c['FOLD_SCALE'])}-pack{c['PACK_GQA']}-flat{int(c['FLAT'])}"
+    return f"fold{int(c['FOLD_SCALE'])}-pack{c['PACK_GQA']}-flat{int(c['FLAT'])}-halves{int(c['HALVES'])}"
 
 
 @pytest.mark.parametrize("switches", SWITCHES, ids=_switch_id)
@@ -205,7 +219,8 @@ def _switch_id(c):
     ("packed", False, (9, 2), 3, False, -0.4),
 ])
 def test_fp32_switches(switches, layout, causal, window, sink_tokens, with_sinks, scale, device):
-    """PACK_GQA 4 stacks 4 heads of 4 positions each into a 16-row tile, so tiles span heads and rows."""
+    """PACK_GQA 4 stacks 4 heads of 4 positions each into a 16-row tile, so tiles span heads and rows (and
+    HALVES splits them, 2 heads per half)."""
     q, k, v = make_qkv(2, 8, 2, 37, 29, 40, torch.float32, layout=layout, device=device)
     sinks = torch.randn(8, device=device) if with_sinks else None
     config = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=2, **switches)
@@ -289,6 +304,21 @@ def test_gpu_gpt_oss_shape(window):
 @pytest.mark.gpu
 def test_gpu_stage7_shape():
     _gpu_bar(torch.bfloat16, 4096, 4096, 16, 16, 1, True, (255, 0), 4, B=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D,Nq,Nk,Hq,Hkv,causal,window,sink_tokens,with_sinks", [
+    (128, 300, 1000, 8, 2, True, (-1, -1), 0, True),    # a partial last tile, GQA packed into the halves
+    (128, 1000, 300, 4, 4, False, (-1, -1), 0, False),  # more queries than keys: empty rows, no sinks
+    (96, 777, 777, 16, 2, False, (300, 40), 5, True),   # padded head dim, a wide window and sink tokens
+    (128, 513, 2048, 4, 1, False, (-1, 3), 0, False),   # right bound only, MQA
+])
+def test_gpu_halves(dtype, D, Nq, Nk, Hq, Hkv, causal, window, sink_tokens, with_sinks):
+    """The HALVES tiles (256 rows) that D = 128 takes on Hopper, at shapes whose halves end mid-tile."""
+    assert forward_config(D, dtype, Pattern.make(Nq, Nk, causal=causal, window=window), "cuda",
+                          group=Hq // Hkv)["HALVES"] == (torch.cuda.get_device_capability()[0] >= 9)
+    _gpu_bar(dtype, Nq, Nk, D, Hq, Hkv, causal, window, sink_tokens, sinks_scale=1.0 if with_sinks else None)
 
 
 @pytest.mark.gpu

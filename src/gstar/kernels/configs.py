@@ -14,14 +14,18 @@ import torch
 
 from ..pattern import Pattern
 
-# (largest head dim, BLOCK_M, BLOCK_N, num_warps, num_stages); the first row whose head dim fits wins.
-# D <= 128 rows are the fastest of scripts/tune-forward's sweeps (H200, see benchmarks/NOTES.md; D <= 64
-# with PACK_GQA); the D = 256 row is checked by compiling for sm_90 only (no register spills).
+# (largest head dim, BLOCK_M, BLOCK_N, num_warps, num_stages, HALVES); the first row whose head dim fits
+# wins. D <= 128 rows are the fastest of scripts/tune-forward's sweeps (D <= 64 with PACK_GQA, H200; D = 128
+# with HALVES, H100, seventh session: fa D128 full 4.42 -> 4.09 ms, causal 2.28 -> 2.18, benchmarks/NOTES.md);
+# the D = 256 row is checked by compiling for sm_90 only (no register spills).
 _FORWARD_16BIT = (
-    (64, 128, 64, 4, 3),
-    (128, 128, 128, 8, 3),
-    (256, 128, 32, 8, 2),
+    (64, 128, 64, 4, 3, False),
+    (128, 256, 64, 8, 4, True),
+    (256, 128, 32, 8, 2, False),
 )
+# HALVES needs Hopper's asynchronous MMA to overlap anything, and 256-row tiles waste most of their rows on
+# short queries: there the D <= 128 row before HALVES (the fastest then) stands in.
+_FORWARD_WITHOUT_HALVES = (128, 128, 8, 3)
 # A narrow window (GPT-OSS's 128-key layers) visits few KV blocks per Q tile: short Q tiles waste fewer
 # masked keys at the band's edges and give the SMs more programs (gpt-oss window: 0.126 ms vs 0.177 ms).
 _NARROW_WINDOW = 256
@@ -35,18 +39,19 @@ def _band_width(pattern: Pattern) -> int | None:
     return pattern.left + pattern.right + 1
 # float32 tiles take twice the shared memory and registers (IEEE dots run on FMA units, not tensor cores)
 _FORWARD_FP32 = (
-    (64, 64, 32, 8, 2),
-    (128, 64, 32, 8, 2),
-    (256, 32, 32, 8, 2),
+    (64, 64, 32, 8, 2, False),
+    (128, 64, 32, 8, 2, False),
+    (256, 32, 32, 8, 2, False),
 )
 # Under the Triton interpreter (CPU tensors) small tiles make tests cover several blocks and stay fast.
-_FORWARD_INTERPRETER = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
+_FORWARD_INTERPRETER = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1, "HALVES": False}
 # Kernel switches (scripts/tune-forward times each against its old path). FOLD_SCALE: one FMA per score
 # in the softmax instead of a multiply and a subtract.
 # PACK_GQA: query heads of one GQA group per tile, so each K/V block is loaded once for the whole pack;
 # each head keeps at least _PACK_MIN_ROWS positions of the tile. TILES_FASTEST: the grid's fastest axis
 # walks Q tiles instead of heads. FLAT (narrow windows only): one masked loop over the band instead of
-# three short ones, each of which fills and drains the software pipeline.
+# three short ones, each of which fills and drains the software pipeline. HALVES (a column of the tables):
+# two softmax states per tile, so that one half's softmax overlaps the other half's products.
 _FORWARD_FOLD_SCALE = True
 _FORWARD_PACK_GQA = 8
 _PACK_MIN_ROWS = 16
@@ -67,23 +72,26 @@ def forward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device, 
     head_dim: D (1..256); dtype: q's dtype; pattern: the normalised attention pattern; device: q's device;
     group: Hq // Hkv. Returns ``{"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}`` (BLOCK_M counts tile
     rows over all packed heads) plus the kernel switches ``"FOLD_SCALE"`` (bool),
-    ``"PACK_GQA"`` (query heads per tile, a power of two dividing ``group``), ``"TILES_FASTEST"`` and
-    ``"FLAT"`` (bool).
+    ``"PACK_GQA"`` (query heads per tile, a power of two dividing ``group``), ``"TILES_FASTEST"``,
+    ``"FLAT"`` and ``"HALVES"`` (bool).
     """
     if torch.device(device).type != "cuda":
         return dict(_FORWARD_INTERPRETER, FOLD_SCALE=_FORWARD_FOLD_SCALE, PACK_GQA=1,
                     TILES_FASTEST=_FORWARD_TILES_FASTEST, FLAT=False)
     table = _FORWARD_FP32 if dtype == torch.float32 else _FORWARD_16BIT
-    block_m, block_n, num_warps, num_stages = next(row[1:] for row in table if head_dim <= row[0])
+    block_m, block_n, num_warps, num_stages, halves = next(row[1:] for row in table if head_dim <= row[0])
     band = _band_width(pattern)
     narrow = band is not None and band <= _NARROW_WINDOW
+    major = _major(torch.device(device))
+    if halves and (major < 9 or pattern.nq < block_m):
+        (block_m, block_n, num_warps, num_stages), halves = _FORWARD_WITHOUT_HALVES, False
     if narrow and dtype != torch.float32 and head_dim <= 128:
-        block_m, block_n, num_warps, num_stages = _FORWARD_NARROW_16BIT
+        (block_m, block_n, num_warps, num_stages), halves = _FORWARD_NARROW_16BIT, False
     if pattern.nq <= 64:
         block_m = min(block_m, 64)  # short queries (decode, chunked prefill): don't compute dead rows
     if band is not None and band <= 64:
         block_n = min(block_n, 32)  # narrow windows: smaller KV blocks waste fewer masked keys
-    if _major(torch.device(device)) < 9:
+    if major < 9:
         num_stages = min(num_stages, 2)  # pre-Hopper parts have less shared memory per SM
     # a head's rows of a tile need not outnumber the queries: decode (Nq = 1) packs a whole group
     min_rows = min(_PACK_MIN_ROWS, next_power_of_2(pattern.nq))
@@ -93,8 +101,8 @@ def forward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device, 
     if pattern.nq < _PACK_MIN_ROWS:
         block_m = max(16, min(block_m, pack * min_rows))  # tl.dot needs 16 rows
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages,
-            "FOLD_SCALE": _FORWARD_FOLD_SCALE, "PACK_GQA": pack,
-            "TILES_FASTEST": _FORWARD_TILES_FASTEST, "FLAT": narrow and _FORWARD_FLAT_NARROW}
+            "FOLD_SCALE": _FORWARD_FOLD_SCALE, "PACK_GQA": pack, "TILES_FASTEST": _FORWARD_TILES_FASTEST,
+            "FLAT": narrow and _FORWARD_FLAT_NARROW, "HALVES": halves}
 
 
 def dot_precision(dtype: torch.dtype) -> str:

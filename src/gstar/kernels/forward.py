@@ -12,7 +12,8 @@ Switches, chosen per call by :func:`gstar.kernels.configs.forward_config` and ti
 ``scripts/tune-forward``: ``PACK_GQA`` stacks several query heads of one GQA group in a tile so each K/V
 block is loaded once for all of them; ``FOLD_SCALE`` (positive scales only) takes the max over raw
 scores; ``TILES_FASTEST`` reorders the grid; ``FLAT`` walks the window band in one masked loop (narrow
-windows); ``VARLEN`` reads each sequence's bounds from ``cu_seqlens`` (packed sequences, one launch).
+windows); ``HALVES`` runs the tile as two halves whose softmax and products overlap (D = 128 on Hopper);
+``VARLEN`` reads each sequence's bounds from ``cu_seqlens`` (packed sequences, one launch).
 """
 
 from __future__ import annotations
@@ -35,29 +36,73 @@ _LN2 = tl.constexpr(math.log(2.0))
 
 
 @triton.jit
-def _attend_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_n, d_ok,
-                   lo_key, hi_key, block_lo, block_hi, qk_scale, Nk, sink_tokens,
-                   BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, EVEN_D: tl.constexpr,
-                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
-                   MASKED: tl.constexpr, MAY_BE_EMPTY: tl.constexpr, FOLD_SCALE: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    """Fold KV blocks ``[block_lo, block_hi)`` into the running ``(acc, m_i, l_i)`` of one Q tile.
+def _softmax_step(s, acc, m_i, l_i, cols, lo_key, hi_key, qk_scale, Nk, sink_tokens,
+                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
+                  MASKED: tl.constexpr, MAY_BE_EMPTY: tl.constexpr, FOLD_SCALE: tl.constexpr):
+    """One KV block's online-softmax update of R rows: returns ``(p, acc, m_i, l_i)``, with ``acc``
+    rescaled to the new max and ``p`` the block's float32 weights, ready for ``acc += p @ v``.
 
-    acc: (BLOCK_M, D_PAD) float32 unnormalised output; m_i, l_i: (BLOCK_M,) float32 running max (base 2,
-    scaled) and running sum; q: (BLOCK_M, D_PAD); k_ptrs: (D_PAD, BLOCK_N) and v_ptrs: (BLOCK_N, D_PAD)
-    point at keys 0..BLOCK_N-1 of this kv head.
-    offs_n: (BLOCK_N,); d_ok: (D_PAD,) real head-dim lanes; lo_key, hi_key: (BLOCK_M,) each row's window
-    bounds ``p(i) - left`` and ``p(i) + right``.
-    ``MASKED`` blocks evaluate the rule of ``gstar.pattern`` and guard keys past ``Nk``; the others are
-    whole blocks visible to every stored row, so they skip both. ``MAY_BE_EMPTY``: a row can still have
-    ``m_i = -inf`` here (no learned sink), so masked blocks must shift such rows by 0.
+    s: (R, BLOCK_N) raw scores; acc: (R, D_PAD) float32; m_i, l_i: (R,) float32 running max (base 2,
+    scaled) and running sum; cols: (BLOCK_N,) key indices; lo_key, hi_key: (R,) each row's window bounds
+    ``p(i) - left`` and ``p(i) + right``.
+    ``MASKED`` blocks evaluate the rule of ``gstar.pattern`` and hide keys past ``Nk``; the others are
+    whole blocks visible to every stored row. ``MAY_BE_EMPTY``: a row can still have ``m_i = -inf`` here
+    (no learned sink), so masked blocks must shift such rows by 0.
     ``FOLD_SCALE`` (needs qk_scale > 0): the max is taken over raw scores and scaled once per row, and
     ``exp2(s * qk_scale - m)`` is one FMA per score instead of a multiply then a subtract.
     """
+    if not FOLD_SCALE:
+        s = s * qk_scale  # base-2 logits
+    if MASKED:
+        visible = cols[None, :] < Nk
+        if HAS_RIGHT:
+            visible = visible & (cols[None, :] <= hi_key[:, None])
+        if HAS_LEFT:
+            inside = cols[None, :] >= lo_key[:, None]
+            if HAS_SINK_TOKENS:
+                inside = inside | (cols[None, :] < sink_tokens)
+            visible = visible & inside
+        s = tl.where(visible, s, float("-inf"))
+    if FOLD_SCALE:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # (R,); max commutes with a positive scale
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED and MAY_BE_EMPTY:
+        # a row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
+        # m_i itself stays -inf: a finite stand-in could sit far above later scores and flush them to 0
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        shift = m_new  # a whole visible block, or a learned sink, gives every row a finite max
+    alpha = tl.math.exp2(m_i - shift)  # (R,)
+    if FOLD_SCALE:
+        p = tl.math.exp2(s * qk_scale - shift[:, None])  # (R, BLOCK_N)
+    else:
+        p = tl.math.exp2(s - shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # the rescaled accumulator goes into the next dot as its accumulator, so the MMA adds into it in place
+    return p, acc * alpha[:, None], m_new, l_i
+
+
+@triton.jit
+def _attend_blocks(acc, m_i, l_i, q, lo_key, hi_key, acc2, m2, l2, q2, lo2, hi2,
+                   k_ptrs, v_ptrs, stride_kn, stride_vn, offs_n, d_ok, block_lo, block_hi, qk_scale, Nk,
+                   sink_tokens, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
+                   MASKED: tl.constexpr, MAY_BE_EMPTY: tl.constexpr, FOLD_SCALE: tl.constexpr,
+                   PRECISION: tl.constexpr, HALVES: tl.constexpr):
+    """Fold KV blocks ``[block_lo, block_hi)`` into the running state of one Q tile.
+
+    ``(acc, m_i, l_i, q, lo_key, hi_key)`` are the state and rows of the tile (or of its first half with
+    HALVES), as in :func:`_softmax_step`, with q: (R, D_PAD); ``(acc2, ..., hi2)`` those of the second half
+    (ignored and returned as they came without HALVES). k_ptrs: (D_PAD, BLOCK_N) and v_ptrs:
+    (BLOCK_N, D_PAD) point at keys 0..BLOCK_N-1 of this kv head; offs_n: (BLOCK_N,); d_ok: (D_PAD,) real
+    head-dim lanes. Masked blocks also guard the loads of keys past ``Nk``.
+    HALVES: both halves' score products are issued before either softmax, so the tensor cores work on
+    the second half's scores, then the first half's output, while the softmax of the other half runs.
+    """
     for block in range(block_lo, block_hi):
         start_n = block * BLOCK_N
-        if MASKED:
-            cols = start_n + offs_n  # (BLOCK_N,)
+        cols = start_n + offs_n  # (BLOCK_N,)
         k_block = k_ptrs + start_n.to(tl.int64) * stride_kn
         if MASKED:
             k = tl.load(k_block, mask=d_ok[:, None] & (cols[None, :] < Nk), other=0.0)
@@ -65,35 +110,11 @@ def _attend_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_
             k = tl.load(k_block)
         else:
             k = tl.load(k_block, mask=d_ok[:, None], other=0.0)
-        s = tl.dot(q, k, input_precision=PRECISION)  # (BLOCK_M, BLOCK_N) raw scores
-        if not FOLD_SCALE:
-            s = s * qk_scale  # base-2 logits
-        if MASKED:
-            visible = cols[None, :] < Nk
-            if HAS_RIGHT:
-                visible = visible & (cols[None, :] <= hi_key[:, None])
-            if HAS_LEFT:
-                inside = cols[None, :] >= lo_key[:, None]
-                if HAS_SINK_TOKENS:
-                    inside = inside | (cols[None, :] < sink_tokens)
-                visible = visible & inside
-            s = tl.where(visible, s, float("-inf"))
-        if FOLD_SCALE:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # (BLOCK_M,); max commutes with a positive scale
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-        if MASKED and MAY_BE_EMPTY:
-            # a row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
-            # m_i itself stays -inf: a finite stand-in could sit far above later scores and flush them to 0
-            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            shift = m_new  # a whole visible block, or a learned sink, gives every row a finite max
-        alpha = tl.math.exp2(m_i - shift)  # (BLOCK_M,)
-        if FOLD_SCALE:
-            p = tl.math.exp2(s * qk_scale - shift[:, None])  # (BLOCK_M, BLOCK_N)
-        else:
-            p = tl.math.exp2(s - shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        s = tl.dot(q, k, input_precision=PRECISION)  # (R, BLOCK_N) raw scores
+        if HALVES:
+            s2 = tl.dot(q2, k, input_precision=PRECISION)
+        p, acc, m_i, l_i = _softmax_step(s, acc, m_i, l_i, cols, lo_key, hi_key, qk_scale, Nk, sink_tokens,
+                                         HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, MASKED, MAY_BE_EMPTY, FOLD_SCALE)
         v_block = v_ptrs + start_n.to(tl.int64) * stride_vn
         if MASKED:
             v = tl.load(v_block, mask=(cols[:, None] < Nk) & d_ok[None, :], other=0.0)
@@ -101,10 +122,60 @@ def _attend_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_
             v = tl.load(v_block)
         else:
             v = tl.load(v_block, mask=d_ok[None, :], other=0.0)
-        # the rescaled accumulator goes in as the dot's accumulator, so the MMA adds into it in place
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
-    return acc, m_i, l_i
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        if HALVES:
+            p2, acc2, m2, l2 = _softmax_step(s2, acc2, m2, l2, cols, lo2, hi2, qk_scale, Nk, sink_tokens,
+                                             HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, MASKED, MAY_BE_EMPTY,
+                                             FOLD_SCALE)
+            acc2 = tl.dot(p2.to(v.dtype), v, acc2, input_precision=PRECISION)
+    return acc, m_i, l_i, acc2, m2, l2
+
+
+@triton.jit
+def _rows(offs, h0, row_start, q_start, Nq, ROWS: tl.constexpr):
+    """Where tile rows ``offs`` (R,) live: their query head, their position in the sequence, whether it
+    is a real row (< Nq), and their index along Q / Out's sequence axis. Each is (R,)."""
+    heads = h0 + offs // ROWS
+    rows = row_start + offs % ROWS
+    return heads, rows, rows < Nq, q_start + rows
+
+
+@triton.jit
+def _start_rows(Q, Sinks, offs, h0, row_start, q_start, b, stride_qb, stride_qh, stride_qm, offs_d, d_ok,
+                Nq, Nk, left, right, ROWS: tl.constexpr, R: tl.constexpr, D_PAD: tl.constexpr,
+                HAS_SINKS: tl.constexpr):
+    """Load the Q rows ``offs`` (R,) of the tile and start their softmax state: returns
+    ``(q, lo_key, hi_key, acc, m_i, l_i)`` as :func:`_attend_blocks` takes them."""
+    heads, rows, row_ok, tokens = _rows(offs, h0, row_start, q_start, Nq, ROWS)
+    q_rows = b * stride_qb + heads.to(tl.int64) * stride_qh + tokens * stride_qm  # (R,)
+    q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                other=0.0)  # (R, D_PAD)
+    lo_key = rows + (Nk - Nq) - left  # (R,) window bounds of each row, used by masked blocks only
+    hi_key = rows + (Nk - Nq) + right
+    acc = tl.zeros([R, D_PAD], dtype=tl.float32)
+    if HAS_SINKS:
+        # exp2(m) * l = exp(sink): the sink is already in the sum, with no value to carry
+        m_i = tl.load(Sinks + heads) * _LOG2E  # (R,)
+        l_i = tl.zeros([R], dtype=tl.float32) + 1.0
+    else:
+        m_i = tl.full([R], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([R], dtype=tl.float32)
+    return q, lo_key, hi_key, acc, m_i, l_i
+
+
+@triton.jit
+def _store_rows(Out, Lse, acc, m_i, l_i, offs, h0, row_start, q_start, b, stride_ob, stride_oh, stride_om,
+                stride_lb, stride_lh, offs_d, d_ok, Nq, ROWS: tl.constexpr):
+    """Normalise and store the rows ``offs`` (R,) of the tile: Out in its dtype, the natural-log LSE."""
+    heads, rows, row_ok, tokens = _rows(offs, h0, row_start, q_start, Nq, ROWS)
+    # rows that saw no key (and no sink) have l = 0 and acc = 0: divide by 1 to store exact zeros
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = (acc / l_safe[:, None]).to(Out.dtype.element_ty)  # (R, D_PAD)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * _LN2)  # (R,) natural log
+    o_rows = b * stride_ob + heads.to(tl.int64) * stride_oh + tokens * stride_om  # (R,)
+    tl.store(Out + o_rows[:, None] + offs_d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(Lse + b * stride_lb + heads.to(tl.int64) * stride_lh + tokens, lse, mask=row_ok)
 
 
 # sequence lengths and window bounds change from call to call: specialising on them (== 1, % 16) would
@@ -122,7 +193,7 @@ def _forward_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr,
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
         HAS_SINKS: tl.constexpr, FOLD_SCALE: tl.constexpr, TILES_FASTEST: tl.constexpr,
-        FLAT: tl.constexpr, VARLEN: tl.constexpr, PRECISION: tl.constexpr):
+        FLAT: tl.constexpr, HALVES: tl.constexpr, VARLEN: tl.constexpr, PRECISION: tl.constexpr):
     """Grid ``(Hq // PACK, n_tiles, B)``, its first two axes swapped if TILES_FASTEST.
 
     Dense (VARLEN off): Q, Out: (B, Hq, Nq, HEAD_DIM); K, V: (B, Hkv, Nk, HEAD_DIM); Lse: (B, Hq, Nq)
@@ -137,6 +208,8 @@ def _forward_kernel(
     PACK: query heads of one GQA group (PACK divides group) stacked in one tile of BLOCK_M rows, PACK
     heads times BLOCK_M // PACK positions: each K/V block is loaded once for all of them.
     FLAT: walk the window band in one loop with every block masked, instead of masked / unmasked / masked.
+    HALVES: the tile's rows as two halves of BLOCK_M // 2, each with its own scores and softmax state, so
+    that one half's softmax overlaps the other half's products (BLOCK_M // 2 must still fill the MMA).
     """
     ROWS: tl.constexpr = BLOCK_M // PACK
     # Heads vary fastest, so the query heads of a GQA group run side by side and share K/V through L2
@@ -154,71 +227,58 @@ def _forward_kernel(
             return
     h_kv = (h0 // group).to(tl.int64)
 
-    offs_m = tl.arange(0, BLOCK_M)
+    R: tl.constexpr = BLOCK_M // 2 if HALVES else BLOCK_M  # rows per softmax state
+    offs_m = tl.arange(0, R)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
-    heads = h0 + offs_m // ROWS  # (BLOCK_M,) query head of each tile row
-    rows = row_start + offs_m % ROWS  # (BLOCK_M,) its position in the sequence
-    row_ok = rows < Nq
     d_ok = offs_d < HEAD_DIM  # (D_PAD,) all true unless D was padded to a power of two
-
-    tokens = q_start + rows  # (BLOCK_M,) row of Q / Out along their sequence axis
-    q_rows = b * stride_qb + heads.to(tl.int64) * stride_qh + tokens * stride_qm  # (BLOCK_M,)
-    q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :],
-                other=0.0)  # (BLOCK_M, D_PAD)
+    q, lo_key, hi_key, acc, m_i, l_i = _start_rows(
+        Q, Sinks, offs_m, h0, row_start, q_start, b, stride_qb, stride_qh, stride_qm, offs_d, d_ok, Nq, Nk,
+        left, right, ROWS, R, D_PAD, HAS_SINKS)
+    if HALVES:
+        q2, lo2, hi2, acc2, m2, l2 = _start_rows(
+            Q, Sinks, offs_m + R, h0, row_start, q_start, b, stride_qb, stride_qh, stride_qm, offs_d, d_ok, Nq,
+            Nk, left, right, ROWS, R, D_PAD, HAS_SINKS)
+    else:  # placeholders that _attend_blocks passes through untouched
+        q2, lo2, hi2, acc2, m2, l2 = q, lo_key, hi_key, acc, m_i, l_i
     k_first = b * stride_kb + h_kv * stride_kh + k_start * stride_kn
     v_first = b * stride_vb + h_kv * stride_vh + k_start * stride_vn
     k_ptrs = K + k_first + offs_n[None, :] * stride_kn + offs_d[:, None]  # (D_PAD, BLOCK_N) K^T
     v_ptrs = V + v_first + offs_n[:, None] * stride_vn + offs_d[None, :]  # (BLOCK_N, D_PAD)
-    lo_key = rows + (Nk - Nq) - left   # (BLOCK_M,) window bounds of each row, used by masked blocks only
-    hi_key = rows + (Nk - Nq) + right
-
-    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    if HAS_SINKS:
-        # exp2(m) * l = exp(sink): the sink is already in the sum, with no value to carry
-        m_i = tl.load(Sinks + heads) * _LOG2E  # (BLOCK_M,)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
-    else:
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
     sink_end, band_start, full_start, full_end, band_end = kv_range(
         row_start, Nq, Nk, left, right, sink_tokens, ROWS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
     may_be_empty: tl.constexpr = not HAS_SINKS
     if HAS_SINK_TOKENS:
-        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
-                                       offs_n, d_ok, lo_key, hi_key, 0, sink_end, qk_scale, Nk, sink_tokens,
-                                       BLOCK_N, D_PAD, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True,
-                                       may_be_empty, FOLD_SCALE, PRECISION)
+        acc, m_i, l_i, acc2, m2, l2 = _attend_blocks(
+            acc, m_i, l_i, q, lo_key, hi_key, acc2, m2, l2, q2, lo2, hi2, k_ptrs, v_ptrs, stride_kn, stride_vn,
+            offs_n, d_ok, 0, sink_end, qk_scale, Nk, sink_tokens, BLOCK_N, EVEN_D, HAS_LEFT, HAS_RIGHT,
+            HAS_SINK_TOKENS, True, may_be_empty, FOLD_SCALE, PRECISION, HALVES)
     if FLAT:
         # one pipelined loop over the whole band, every block masked: a narrow window's few blocks per
         # range would otherwise spend most of their time filling and draining three short pipelines
         full_start = band_end
         full_end = band_end
-    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
-                                   offs_n, d_ok, lo_key, hi_key, band_start, full_start, qk_scale, Nk, sink_tokens,
-                                   BLOCK_N, D_PAD, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True,
-                                   may_be_empty, FOLD_SCALE, PRECISION)
+    acc, m_i, l_i, acc2, m2, l2 = _attend_blocks(
+        acc, m_i, l_i, q, lo_key, hi_key, acc2, m2, l2, q2, lo2, hi2, k_ptrs, v_ptrs, stride_kn, stride_vn,
+        offs_n, d_ok, band_start, full_start, qk_scale, Nk, sink_tokens, BLOCK_N, EVEN_D, HAS_LEFT, HAS_RIGHT,
+        HAS_SINK_TOKENS, True, may_be_empty, FOLD_SCALE, PRECISION, HALVES)
     if not FLAT:
-        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
-                                       offs_n, d_ok, lo_key, hi_key, full_start, full_end, qk_scale, Nk,
-                                       sink_tokens, BLOCK_N, D_PAD, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
-                                       False, may_be_empty, FOLD_SCALE, PRECISION)
-        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
-                                       offs_n, d_ok, lo_key, hi_key, full_end, band_end, qk_scale, Nk,
-                                       sink_tokens, BLOCK_N, D_PAD, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
-                                       True, may_be_empty, FOLD_SCALE, PRECISION)
+        acc, m_i, l_i, acc2, m2, l2 = _attend_blocks(
+            acc, m_i, l_i, q, lo_key, hi_key, acc2, m2, l2, q2, lo2, hi2, k_ptrs, v_ptrs, stride_kn, stride_vn,
+            offs_n, d_ok, full_start, full_end, qk_scale, Nk, sink_tokens, BLOCK_N, EVEN_D, HAS_LEFT,
+            HAS_RIGHT, HAS_SINK_TOKENS, False, may_be_empty, FOLD_SCALE, PRECISION, HALVES)
+        acc, m_i, l_i, acc2, m2, l2 = _attend_blocks(
+            acc, m_i, l_i, q, lo_key, hi_key, acc2, m2, l2, q2, lo2, hi2, k_ptrs, v_ptrs, stride_kn, stride_vn,
+            offs_n, d_ok, full_end, band_end, qk_scale, Nk, sink_tokens, BLOCK_N, EVEN_D, HAS_LEFT,
+            HAS_RIGHT, HAS_SINK_TOKENS, True, may_be_empty, FOLD_SCALE, PRECISION, HALVES)
 
-    # rows that saw no key (and no sink) have l = 0 and acc = 0: divide by 1 to store exact zeros
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    out = (acc / l_safe[:, None]).to(q.dtype)  # Out has q's dtype
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * _LN2)  # natural log
-
-    o_rows = b * stride_ob + heads.to(tl.int64) * stride_oh + tokens * stride_om
-    tl.store(Out + o_rows[:, None] + offs_d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(Lse + b * stride_lb + heads.to(tl.int64) * stride_lh + tokens, lse, mask=row_ok)
+    _store_rows(Out, Lse, acc, m_i, l_i, offs_m, h0, row_start, q_start, b, stride_ob, stride_oh, stride_om,
+                stride_lb, stride_lh, offs_d, d_ok, Nq, ROWS)
+    if HALVES:
+        _store_rows(Out, Lse, acc2, m2, l2, offs_m + R, h0, row_start, q_start, b, stride_ob, stride_oh,
+                    stride_om, stride_lb, stride_lh, offs_d, d_ok, Nq, ROWS)
 
 
 def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: dict | None = None, *,
@@ -267,7 +327,8 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
         HEAD_DIM=D, D_PAD=d_pad, EVEN_D=d_pad == D, BLOCK_M=block_m, BLOCK_N=block_n, PACK=pack,
         HAS_LEFT=pattern.left >= 0, HAS_RIGHT=pattern.right >= 0, HAS_SINK_TOKENS=pattern.sink_tokens > 0,
         HAS_SINKS=sinks is not None, FOLD_SCALE=bool(cfg["FOLD_SCALE"]) and scale > 0,
-        TILES_FASTEST=bool(cfg["TILES_FASTEST"]), FLAT=bool(cfg["FLAT"]), VARLEN=varlen,
+        TILES_FASTEST=bool(cfg["TILES_FASTEST"]), FLAT=bool(cfg["FLAT"]), HALVES=bool(cfg["HALVES"]),
+        VARLEN=varlen,
         PRECISION=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out, lse
