@@ -190,6 +190,17 @@ def test_cuda_config_halves(D, nq, major, halves, monkeypatch):
     assert not windowed["HALVES"]  # narrow windows keep their short tiles
 
 
+@pytest.mark.parametrize("D,group,tile", [
+    (64, 8, (128, 32, 8)), (64, 4, (128, 32, 4)), (64, 2, (64, 64, 2)), (64, 1, (64, 64, 1)), (16, 8, (64, 64, 4)),
+])
+def test_cuda_config_narrow_window(D, group, tile, monkeypatch):
+    """A narrow window at head dim 64 takes 128 x 32 tiles when at least 4 heads share them."""
+    monkeypatch.setattr(configs, "_major", lambda device: 9)
+    cfg = forward_config(D, torch.bfloat16, Pattern.make(4096, 4096, causal=True, window=(127, 0)), "cuda",
+                         group=group)
+    assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["PACK_GQA"]) == tile and cfg["FLAT"]
+
+
 @pytest.mark.parametrize("nq", [1, 3, 33, 4096])
 @pytest.mark.parametrize("group", [1, 2, 6, 8, 16])
 @pytest.mark.parametrize("D,window", [(16, (-1, -1)), (64, (127, 0)), (128, (-1, -1)), (256, (-1, -1))])
