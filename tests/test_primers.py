@@ -62,6 +62,18 @@ def test_row_sum_gpu(dtype, shape):
     _row_sum_case(x, w)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_row_sum_on_a_device_that_is_not_current():
+    """x on cuda:1 while cuda:0 is current: the kernel runs on cuda:1 and matches cuda:0's result."""
+    x, w = torch.randn(37, 300), torch.randn(300)
+    torch.cuda.set_device(0)
+    want = weighted_row_sum(x.to("cuda:0"), w.to("cuda:0")).cpu()
+    got = weighted_row_sum(x.to("cuda:1"), w.to("cuda:1"))
+    assert got.device == torch.device("cuda:1") and torch.cuda.current_device() == 0
+    assert torch.equal(got.cpu(), want)
+
+
 def test_row_sum_validation():
     x, w = torch.randn(3, 4), torch.randn(4)
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):

@@ -6,6 +6,7 @@ it streams ``x`` once and writes almost nothing, so its bandwidth is the card's 
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -89,6 +90,8 @@ def weighted_row_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     block_m = min(triton.next_power_of_2(M), max(1, _TILE_ELEMENTS // block_n))
     num_warps = 8 if block_m * block_n >= _TILE_ELEMENTS else 4
     grid = (triton.cdiv(M, block_m),)
-    _weighted_row_sum_kernel[grid](x, w, y, M, N, x.stride(0), w.stride(0),
-                                   BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    # Triton launches on the current CUDA device, which need not hold x (as PyTorch's operators do, switch)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _weighted_row_sum_kernel[grid](x, w, y, M, N, x.stride(0), w.stride(0),
+                                       BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     return y
