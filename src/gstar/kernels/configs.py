@@ -90,10 +90,12 @@ def forward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device, 
     band = _band_width(pattern)
     narrow = band is not None and band <= _NARROW_WINDOW
     major = _major(torch.device(device))
+    # a head's rows of a tile need not outnumber the queries: decode (Nq = 1) packs a whole group
+    min_rows = min(_PACK_MIN_ROWS, next_power_of_2(pattern.nq))
     if halves and (major < 9 or pattern.nq < block_m):
         (block_m, block_n, num_warps, num_stages), halves = _FORWARD_WITHOUT_HALVES, False
     if narrow and dtype != torch.float32 and head_dim <= 128:
-        packed = 32 < head_dim <= 64 and _pack(group, _FORWARD_NARROW_PACKED[0], pattern.nq) >= _NARROW_MIN_PACK
+        packed = 32 < head_dim <= 64 and _pack(group, _FORWARD_NARROW_PACKED[0], min_rows) >= _NARROW_MIN_PACK
         (block_m, block_n, num_warps, num_stages), halves = (
             _FORWARD_NARROW_PACKED if packed else _FORWARD_NARROW_16BIT), False
     if pattern.nq <= 64:
@@ -102,20 +104,17 @@ def forward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device, 
         block_n = min(block_n, 32)  # narrow windows: smaller KV blocks waste fewer masked keys
     if major < 9:
         num_stages = min(num_stages, 2)  # pre-Hopper parts have less shared memory per SM
-    pack = _pack(group, block_m, pattern.nq)
+    pack = _pack(group, block_m, min_rows)
     if pattern.nq < _PACK_MIN_ROWS:
-        # tl.dot needs 16 rows
-        block_m = max(16, min(block_m, pack * min(_PACK_MIN_ROWS, next_power_of_2(pattern.nq))))
+        block_m = max(16, min(block_m, pack * min_rows))  # tl.dot needs 16 rows
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages,
             "FOLD_SCALE": _FORWARD_FOLD_SCALE, "PACK_GQA": pack, "TILES_FASTEST": _FORWARD_TILES_FASTEST,
             "FLAT": narrow and _FORWARD_FLAT_NARROW, "HALVES": halves}
 
 
-def _pack(group: int, block_m: int, nq: int) -> int:
+def _pack(group: int, block_m: int, min_rows: int) -> int:
     """Query heads of a GQA group per tile of ``block_m`` rows: the largest power of two up to
-    _FORWARD_PACK_GQA that divides ``group`` and leaves each head _PACK_MIN_ROWS rows, or fewer when the
-    queries are fewer (decode, Nq = 1, packs a whole group)."""
-    min_rows = min(_PACK_MIN_ROWS, next_power_of_2(nq))
+    _FORWARD_PACK_GQA that divides ``group`` and leaves each head at least ``min_rows`` rows."""
     pack = 1
     while pack * 2 <= _FORWARD_PACK_GQA and group % (pack * 2) == 0 and block_m // (pack * 2) >= min_rows:
         pack *= 2
