@@ -161,6 +161,25 @@ def test_fp32_tma_loads(case):
     _check_exact_zeros(grads, pattern)
 
 
+# dQ tiles holding several query heads of a GQA group: (case, dq_pack, flat loops)
+PACK_CASES = [
+    (CASES[1], 2, False),  # Nq > Nk: the first tiles' rows are all empty; LSE gradient
+    (CASES[2], 4, False),  # MQA group 4 with +-20 sinks: one dsinks share per head of the tile; 70 rows end mid-tile
+    (CASES[3], 4, True),   # MQA window with sink tokens, flat loops, 8 positions per head
+    (CASES[5], 4, False),  # GQA 4 (two kv heads: the second tile of heads reads the other K/V)
+    (CASES[6], 2, True),   # GQA 2, rows with no key, mixed sinks, LSE gradient, flat loops
+]
+
+
+@pytest.mark.parametrize("case,pack,flat", PACK_CASES, ids=[f"{c[0][0]}-pack{c[1]}" for c in PACK_CASES])
+def test_fp32_packed_dq(case, pack, flat):
+    q, k, v, sinks, dout, dlse, pattern_args, scale = _case_inputs(case, torch.float32)
+    config = BackwardConfig(16, 32, 32, 16, dkdv_warps=1, dq_warps=1, flat=flat, dq_pack=pack)
+    grads, ref, pattern = _backward(q, k, v, sinks, dout, dlse, pattern_args, scale, config=config)
+    _check_fp32(grads, ref)
+    _check_exact_zeros(grads, pattern)
+
+
 @pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[4], CASES[6]],
                          ids=[CASES[i][0] for i in (1, 3, 4, 6)])
 def test_fp16_within_bar(case):
@@ -301,6 +320,22 @@ def test_cuda_config_descriptor_rule(capability, D, pattern_args, batch_heads, e
     assert (cfg.dkdv_tma, cfg.dq_tma) == expected
 
 
+@pytest.mark.parametrize("D,group,pattern_args,expected", [
+    (64, 8, dict(causal=True, window=(127, 0)), (64, 32, 4)),   # gpt-oss window: 16 positions of 4 heads
+    (64, 4, dict(causal=True, window=(127, 0)), (64, 32, 4)),
+    (48, 8, dict(window=(100, 20)), (64, 32, 4)),               # padded head dim, band of 121 keys
+    (64, 2, dict(causal=True, window=(127, 0)), (64, 64, 1)),   # too few heads to pack
+    (64, 8, dict(causal=True), (128, 64, 1)),                   # causal: even or slower packed
+    (16, 16, dict(causal=True, window=(255, 0)), (64, 64, 1)),  # head dim 16: not measured faster
+    (64, 8, dict(causal=True, window=(511, 0)), (128, 64, 1)),  # a wider band is not narrow
+])
+def test_cuda_config_packed_dq_rule(D, group, pattern_args, expected, monkeypatch):
+    monkeypatch.setattr(configs, "_major", lambda device: 9)
+    cfg = backward_config(D, torch.bfloat16, Pattern.make(4096, 4096, **pattern_args), "cuda", batch_heads=64,
+                          group=group)
+    assert (cfg.dq_m, cfg.dq_n, cfg.dq_pack) == expected
+
+
 def _end_to_end(q, k, v, sinks, dout, dlse, pattern_args, scale):
     """Gradients of ``out . dout + lse . dlse`` through gstar.flash_attention(backend="triton")."""
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]  # same storage: strided layouts survive
@@ -421,6 +456,30 @@ def test_gpu_forced_split_within_bar(pattern_args, flat):
     grads = attention_backward(dout, q, k, v, out, lse, None, sinks, pattern, scale, config=cfg)
     ref = _oracle_by_kv_head(q, k, v, sinks, dout, None, pattern_args, scale, torch.float32)
     pt = _oracle_by_kv_head(q, k, v, sinks, dout, None, pattern_args, scale, torch.bfloat16)
+    _check_bar(grads, ref, pt)
+    _check_exact_zeros(grads, pattern)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
+@pytest.mark.parametrize("pack", [2, 8])
+def test_gpu_packed_dq_within_bar(pack, tma):
+    """dQ tiles of several GQA heads on compiled kernels, bfloat16: a ragged length, learned sinks (one share
+    per head of a tile), the LSE gradient, K/V through pointers and through descriptors."""
+    B, Hq, Hkv, N, D = 1, 8, 1, 1000, 64
+    pattern_args = dict(causal=True, window=(127, 0))
+    q, k, v = make_qkv(B, Hq, Hkv, N, N, D, torch.bfloat16, device="cuda")
+    sinks = (torch.rand(Hq, device="cuda") * 2 - 1) * 5
+    dout = torch.randn(B, Hq, N, D, device="cuda").to(torch.bfloat16)
+    dlse = torch.randn(B, Hq, N, device="cuda")
+    pattern, scale = Pattern.make(N, N, **pattern_args), D ** -0.5
+    cfg = dataclasses.replace(backward_config(D, torch.bfloat16, pattern, "cuda"), dq_m=64, dq_n=32, dq_pack=pack,
+                              dq_tma=tma)
+    out, lse = gstar.flash_attention(q, k, v, sinks=sinks, scale=scale, backend="triton", return_lse=True,
+                                     **pattern_args)
+    grads = attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern, scale, config=cfg)
+    ref = _oracle_by_kv_head(q, k, v, sinks, dout, dlse, pattern_args, scale, torch.float32)
+    pt = _oracle_by_kv_head(q, k, v, sinks, dout, dlse, pattern_args, scale, torch.bfloat16)
     _check_bar(grads, ref, pt)
     _check_exact_zeros(grads, pattern)
 

@@ -152,7 +152,7 @@ def test_triton_equals_per_sequence(lengths, pattern, sinks, device):
 
 
 KERNEL_SWITCHES = {
-    "pack_gqa": (dict(PACK_GQA=2), BackwardConfig(16, 32, 32, 16, dkdv_warps=1, dq_warps=1)),
+    "pack_gqa": (dict(PACK_GQA=2), BackwardConfig(16, 32, 32, 16, dkdv_warps=1, dq_warps=1, dq_pack=2)),
     "flat": (dict(FLAT=True), BackwardConfig(32, 16, 16, 32, dkdv_warps=1, dq_warps=1, flat=True)),
     "tiles_fastest": (dict(TILES_FASTEST=True, FOLD_SCALE=False), BackwardConfig(16, 16, 16, 16)),
 }

@@ -346,45 +346,56 @@ def _dq(
     left, right, sink_tokens, scale, qk_scale,  # KVTABLE: (cdiv(Nq, BLOCK_M), 5) int32 (dense only)
     HAS_DLSE: tl.constexpr, HAS_SINKS: tl.constexpr, FLAT: tl.constexpr, VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr, PRECISION: tl.constexpr,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, TMA: tl.constexpr,
 ):
-    """Grid ``(n_tiles, Hq, B)``: dQ of one Q tile of one query head, over the KV blocks that
+    """Grid ``(n_tiles, Hq // PACK, B)``: dQ of one Q tile of PACK query heads, over the KV blocks that
     :func:`gstar.pattern.kv_block_table` lists (dense) or :func:`gstar.kernels.ranges.kv_range` finds
-    (VARLEN: axis 2 is the sequence, see ``_forward_kernel``).
+    (VARLEN: axis 2 is the sequence, see ``_forward_kernel``). PACK (a power of two dividing GROUP) stacks
+    query heads of one GQA group in the tile as in the forward: BLOCK_M // PACK positions of each, so every
+    K/V block is loaded once for all of them and a narrow window's tile spans fewer keys; n_tiles =
+    cdiv(Nq, BLOCK_M // PACK).
 
     The program first derives its rows' statistics, ``delta = rowsum(dO * O) - dLSE`` and the base-2 LSE,
     and stores them to DELTA and LSE2 for ``_dkdv`` (launched after it). With HAS_SINKS it also stores this
-    tile's share of dsinks[h], ``-sum_rows exp(sinks[h] - lse) * delta``, to DSINKS: (B, n_tiles, Hq) float32.
+    tile's share of dsinks[h] for each of its heads, ``-sum_rows exp(sinks[h] - lse) * delta``, to DSINKS:
+    (B, n_tiles, Hq) float32.
     TMA (dense only): K and V are tensor descriptors moving (1, 1, BLOCK_N, D_PAD) tiles.
     """
     pid_m = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
+    h0 = tl.program_id(1).to(tl.int64) * PACK  # first query head of the tile
     seq = tl.program_id(2)
     b = seq.to(tl.int64)
+    ROWS: tl.constexpr = BLOCK_M // PACK  # positions per tile and head
     q_start, nq = sequence_bounds(CuQ, b, nq, VARLEN)
     k_start, nk = sequence_bounds(CuK, b, nk, VARLEN)
-    dsink_slot = DSINKS + (b * tl.num_programs(0) + pid_m) * tl.num_programs(1) + h
+    # this tile's shares of dsinks[h0 .. h0 + PACK - 1]: DSINKS[b, pid_m, h0 ...] of (B, n_tiles, Hq)
+    dsink_slots = (DSINKS + (b * tl.num_programs(0) + pid_m) * (tl.num_programs(1) * PACK) + h0
+                   + tl.arange(0, PACK))                                                # (PACK,)
     if VARLEN:  # tiles past a shorter packed sequence (a dense grid has none: no branch around the body)
-        if pid_m * BLOCK_M >= nq:
+        if pid_m * ROWS >= nq:
             if HAS_SINKS:
-                tl.store(dsink_slot, 0.0)
+                tl.store(dsink_slots, tl.zeros([PACK], dtype=tl.float32))
             return
-    hkv = h // GROUP
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                                    # (BLOCK_M,)
+    hkv = h0 // GROUP
+    offs = tl.arange(0, BLOCK_M)
+    heads = h0 + offs // ROWS                                                           # (BLOCK_M,)
+    pos = pid_m * ROWS + offs % ROWS                                                    # (BLOCK_M,)
+    tokens = (q_start + pos).to(tl.int64)                                               # (BLOCK_M,)
+    rows = pos < nq
     offs_d = tl.arange(0, D_PAD)                                                        # (D_PAD,)
-    q_head = Q + b * stride_qb + h * stride_qh + q_start * stride_qn
-    do_head = DO + b * stride_dob + h * stride_doh + q_start * stride_don
-    o_head = O + b * stride_ob + h * stride_oh + q_start * stride_on
-    q = _load_rows(q_head, offs_m, nq, stride_qn, offs_d, True, HEAD_DIM, D_PAD)
-    do = _load_rows(do_head, offs_m, nq, stride_don, offs_d, True, HEAD_DIM, D_PAD)
-    o = _load_rows(o_head, offs_m, nq, stride_on, offs_d, True, HEAD_DIM, D_PAD)
-    rows = offs_m < nq
+    tile_ok = rows[:, None] & (offs_d[None, :] < HEAD_DIM)                              # (BLOCK_M, D_PAD)
+    q_rows = b * stride_qb + heads * stride_qh + tokens * stride_qn                     # (BLOCK_M,)
+    do_rows = b * stride_dob + heads * stride_doh + tokens * stride_don
+    o_rows = b * stride_ob + heads * stride_oh + tokens * stride_on
+    q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=tile_ok, other=0.0)         # (BLOCK_M, D_PAD)
+    do = tl.load(DO + do_rows[:, None] + offs_d[None, :], mask=tile_ok, other=0.0)
+    o = tl.load(O + o_rows[:, None] + offs_d[None, :], mask=tile_ok, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)                        # (BLOCK_M,)
     if HAS_DLSE:
-        dlse_head = DLSE + b * stride_dlb + h * stride_dlh + q_start * stride_dln
-        delta -= tl.load(dlse_head + offs_m.to(tl.int64) * stride_dln, mask=rows, other=0.0).to(tl.float32)
-    row_ptr = b * stride_lb + h * stride_lh + q_start + offs_m
+        dlse_rows = b * stride_dlb + heads * stride_dlh + tokens * stride_dln
+        delta -= tl.load(DLSE + dlse_rows, mask=rows, other=0.0).to(tl.float32)
+    row_ptr = b * stride_lb + heads * stride_lh + tokens                                # (BLOCK_M,)
     # an empty row (lse = -inf, no sinks) sees no key, so it only meets masked tiles: there exp2(s - lse2)
     # is +inf (never NaN, s is finite) and the mask replaces it by 0; rows past the end get +inf, so 0
     lse2 = tl.load(LSE + row_ptr, mask=rows, other=float("inf")) * _LOG2E               # (BLOCK_M,)
@@ -392,14 +403,14 @@ def _dq(
     tl.store(LSE2 + row_ptr, lse2, mask=rows)
     if HAS_SINKS:
         # with sinks every lse is finite (>= sinks[h]); rows past the end have delta = 0 and lse2 = inf
-        p_sink = tl.math.exp2(tl.load(Sinks + h) * _LOG2E - lse2)                       # (BLOCK_M,)
-        tl.store(dsink_slot, -tl.sum(p_sink * delta, axis=0))
+        p_sink = tl.math.exp2(tl.load(Sinks + heads) * _LOG2E - lse2)                   # (BLOCK_M,)
+        tl.store(dsink_slots, -tl.sum(tl.reshape(p_sink * delta, (PACK, ROWS)), axis=1))
     k_head, v_head = _head_rows(K, V, b, hkv, k_start, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
                                 stride_vn, TMA)
     kv_head = hkv.to(tl.int32)
     if VARLEN:
         sink_end, band_start, full_start, full_end, band_end = kv_range(
-            pid_m * BLOCK_M, nq, nk, left, right, sink_tokens, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+            pid_m * ROWS, nq, nk, left, right, sink_tokens, ROWS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     else:  # the host table, as in _dkdv (computing the ranges here measured slower for dense batches)
         sink_end, band_start, full_start, full_end, band_end = _table_row(KVTABLE, pid_m)
     dq = tl.zeros((BLOCK_M, D_PAD), dtype=tl.float32)
@@ -407,7 +418,7 @@ def _dq(
         for i in range(0, sink_end + band_end - band_start):
             n = tl.where(i < sink_end, i, band_start + i - sink_end)
             dq = _dq_step(dq, q, do, lse2, delta, k_head, v_head, seq, kv_head, n * BLOCK_N, stride_kn, stride_vn,
-                          offs_m, offs_d, nq, nk, left, right, sink_tokens, qk_scale, True, HAS_LEFT, HAS_RIGHT,
+                          pos, offs_d, nq, nk, left, right, sink_tokens, qk_scale, True, HAS_LEFT, HAS_RIGHT,
                           HAS_SINK_TOKENS, BLOCK_N, HEAD_DIM, D_PAD, TMA, PRECISION)
     else:
         # sink blocks, then the band's masked edge, unmasked interior and masked edge: one loop each
@@ -416,10 +427,10 @@ def _dq(
         for r in tl.static_range(4):
             for n in range(starts[r], ends[r]):
                 dq = _dq_step(dq, q, do, lse2, delta, k_head, v_head, seq, kv_head, n * BLOCK_N, stride_kn,
-                              stride_vn, offs_m, offs_d, nq, nk, left, right, sink_tokens, qk_scale, r != 2,
+                              stride_vn, pos, offs_d, nq, nk, left, right, sink_tokens, qk_scale, r != 2,
                               HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, BLOCK_N, HEAD_DIM, D_PAD, TMA, PRECISION)
-    dq_head = DQ + b * stride_dqb + h * stride_dqh + q_start * stride_dqn
-    _store_rows(dq_head, offs_m, nq, stride_dqn, offs_d, dq * scale, HEAD_DIM)
+    dq_rows = b * stride_dqb + heads * stride_dqh + tokens * stride_dqn                 # (BLOCK_M,)
+    tl.store(DQ + dq_rows[:, None] + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=tile_ok)
 
 
 @functools.lru_cache(maxsize=16)
@@ -533,7 +544,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
             if dlse is not None:
                 dsinks += dlse.float().sum(dim=(0, 2))
         return (*grads, dsinks)
-    cfg = config or backward_config(D, q.dtype, pattern, q.device, batch_heads=B * Hq)
+    cfg = config or backward_config(D, q.dtype, pattern, q.device, batch_heads=B * Hq, group=Hq // Hkv)
     d_pad = pad_head_dim(D)
     cu_q, cu_k = cu_seqlens if varlen else (lse, lse)  # any pointer when VARLEN is off
     seqs = cu_q.shape[0] - 1 if varlen else B
@@ -562,16 +573,18 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
 
     # dQ first: its programs also store delta and lse2, which every dK/dV program reads
     dq = like(q)
-    n_q_tiles = cdiv(pattern.nq, cfg.dq_m)
-    kv_table = lse if varlen else kv_block_table(pattern, cfg.dq_m, cfg.dq_n, q.device)   # (n_q_tiles, 5)
+    pack = math.gcd(cfg.dq_pack, group, cfg.dq_m)
+    rows = cfg.dq_m // pack  # positions per dQ tile and head
+    n_q_tiles = cdiv(pattern.nq, rows)
+    kv_table = lse if varlen else kv_block_table(pattern, rows, cfg.dq_n, q.device)   # (n_q_tiles, 5)
     shares = outputs.empty((seqs, n_q_tiles, Hq) if sinks is not None else (1,), dtype=torch.float32,
                            device=q.device)                                    # (B, n_q_tiles, Hq) of dsinks
     launch(
-        _dq, (n_q_tiles, Hq, seqs), q, k_in, v_in, out, dout, dl, lse, sinks, lse2, delta, dq, shares, kv_table,
-        cu_q, cu_k, *strides(q), *strides(k), *strides(v), *strides(out), *strides(dout), *strides(dq),
+        _dq, (n_q_tiles, Hq // pack, seqs), q, k_in, v_in, out, dout, dl, lse, sinks, lse2, delta, dq, shares,
+        kv_table, cu_q, cu_k, *strides(q), *strides(k), *strides(v), *strides(out), *strides(dout), *strides(dq),
         *strides(dl), *strides(lse)[:2], Nq, Nk,
         *runtime, HAS_DLSE=dlse is not None, HAS_SINKS=sinks is not None, BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n,
-        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, TMA=dq_tma, **shared,
+        PACK=pack, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, TMA=dq_tma, **shared,
     )
     dsinks = None if sinks is None else shares.sum(dim=(0, 1))                       # (Hq,) fixed order
 
