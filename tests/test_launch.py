@@ -60,7 +60,10 @@ def test_cache_hits_launch_the_compiled_kernel_with_every_argument(monkeypatch):
     assert rec.calls[-1][1] == (3, 1, 1, "stream", "function handle", "packed metadata", None, None, None,
                                 aligned, 5, 16, 2.0, 32, False)
     assert rec.launch(shifted, 5, 16, 2.0, BLOCK=32) == "triton"       # alignment
-    assert rec.launch(aligned, 5, 17, 2.0, BLOCK=32) == "triton"       # an int
+    assert rec.launch(aligned, 5, 17, 2.0, BLOCK=32) == "triton"       # an int's class (16 | 16, 17 not)
+    assert rec.launch(aligned, 7, 48, 2.0, BLOCK=32) == "direct"       # the same classes: new values passed on
+    assert rec.calls[-1][1][9:13] == (aligned, 7, 48, 2.0)
+    assert rec.launch(aligned, 7, 48, 2.0, BLOCK=32) == "direct"       # and now an exact hit
     assert rec.launch(aligned, 5, 16, 2.0, BLOCK=64) == "triton"       # a constexpr
     assert rec.launch(aligned, 5, 16, 2.0, BLOCK=32, NEGATE=True) == "triton"
     assert rec.launch(aligned, 5, 16, 2.0, BLOCK=32, NEGATE=True) == "direct"
@@ -101,6 +104,14 @@ def test_keys_separate_what_triton_specialises_on():
     assert sig((aligned, 16)) != sig((shifted, 16))                 # pointer alignment
     assert sig((aligned, 16)) != sig((aligned.float(), 16))         # dtype
     assert sig((aligned, 1)) != sig((aligned, 17)) != sig((aligned, 16))  # ints: exact value
+    classes = launching._int_classes
+    assert classes(sig((aligned, 1))) != classes(sig((aligned, 17))) != classes(sig((aligned, 16)))
+    assert classes(sig((aligned, 17, -1))) == classes(sig((aligned, 5, 3)))       # neither 1 nor 16k
+    assert classes(sig((aligned, 0, -32))) == classes(sig((aligned, 4096, 2 ** 30)))  # multiples of 16
+    assert classes(sig((aligned, 2 ** 31 - 1))) != classes(sig((aligned, 2 ** 31 + 1)))  # 32 and 64 bits
+    assert classes(sig((aligned, -2 ** 31))) == classes(sig((aligned, 16))) != classes(sig((aligned, -2 ** 31 - 16)))
+    assert classes(sig((aligned, 2 ** 63 + 1))) != classes(sig((aligned, 2 ** 62 + 1)))  # wider than int64
+    assert classes(sig((aligned, True, None, 0.5))) == sig((aligned, True, None, 0.5))  # only ints change
     assert sig((aligned, True)) != sig((aligned, 1))                # a bool is not the int 1
     assert sig((aligned, None)) != sig((aligned, 0))
     assert sig((aligned, 0.5)) == sig((aligned.clone(), 2.0))       # floats are not specialised, nor storage
@@ -121,7 +132,8 @@ def test_launch_runs_the_kernel(device):
     x = torch.randn(103, device=device)
     for factor in (2.0, 3.0):
         _run_and_check(device, x, 33, 3, factor)
-    assert len(launching._caches.get(_scaled_copy, {})) == (1 if device == "cuda" else 0)
+    entries = launching._caches.get(_scaled_copy)
+    assert (len(entries.by_class) if entries else 0) == (1 if device == "cuda" else 0)
 
 
 @pytest.mark.gpu
@@ -136,7 +148,44 @@ def test_cached_launches_respect_specialisation():
     for _ in range(2):
         for x, n, stride, negate in calls:
             _run_and_check("cuda", x, n, stride, 1.5, negate)
-    assert len(launching._caches[_scaled_copy]) == len(calls)
+    assert len(launching._caches[_scaled_copy].by_class) == len(calls)
+
+
+@pytest.mark.gpu
+def test_cache_serves_lengths_of_one_class():
+    """Lengths that Triton does not tell apart (a decode loop's) share one compiled kernel, and every
+    launch still gets its own values."""
+    launching._caches.pop(_scaled_copy, None)
+    x = torch.randn(3000, device="cuda")
+    for n in (100, 101, 37, 53, 999, 37):
+        _run_and_check("cuda", x, n, 3, 1.5)
+    assert len(launching._caches[_scaled_copy].by_class) == 1
+    assert len(launching._caches[_scaled_copy].exact) == 5
+
+
+@pytest.mark.gpu
+def test_decode_steps_reuse_one_kernel():
+    """One query per step against a K/V cache that grows by one key (a new tensor each step, as
+    transformers' DynamicCache makes with torch.cat): each step matches the reference, and the forward
+    kernel's class map stops growing once each int class has been seen."""
+    import gstar
+    from gstar.kernels.forward import _forward_kernel
+    from gstar.reference import naive_attention
+
+    B, Hq, Hkv, D = 1, 8, 2, 64
+    k = torch.randn(B, Hkv, 40, D, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    sinks = torch.randn(Hq, device="cuda")
+    compiled = []
+    for _ in range(40):
+        k = torch.cat([k, torch.randn_like(k[:, :, :1])], dim=2)
+        v = torch.cat([v, torch.randn_like(v[:, :, :1])], dim=2)
+        q = torch.randn(B, Hq, 1, D, dtype=torch.bfloat16, device="cuda")
+        out = gstar.flash_attention(q, k, v, sinks=sinks, causal=True, window=(31, 0))
+        ref, _ = naive_attention(q.float(), k.float(), v.float(), sinks=sinks, causal=True, window=(31, 0))
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=0)
+        compiled.append(len(launching._caches[_forward_kernel].by_class))
+    assert compiled[-30:] == [compiled[-1]] * 30
 
 
 @pytest.mark.gpu

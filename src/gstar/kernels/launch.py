@@ -3,18 +3,21 @@ compiled kernel directly.
 
 ``kernel[grid](*args)`` costs about 30 us of Python on an H100 / H200 host for our ~50-argument kernels,
 most of it Triton re-deriving, argument by argument, which compiled specialisation applies (dtype and
-16-byte alignment of each pointer, whether each int is 1 or a multiple of 16) and looking it up; the
-launch itself takes about 10 us (``scripts/profile-host``). At small shapes (the stage rows, a 128-key
-window layer) the host is slower than the GPU, so these microseconds are the kernel's speed.
+16-byte alignment of each pointer; whether each int is 1 or a multiple of 16, and its width) and looking
+it up; the launch itself takes about 10 us (``scripts/profile-host``). At small shapes (the stage rows, a
+128-key window layer) the host is slower than the GPU, so these microseconds are the kernel's speed.
 
-:func:`launch` keys a per-kernel cache on a *refinement* of Triton's specialisation: the exact value of
-every int, the dtype and 16-byte alignment of every tensor, the type of every float, and every constexpr
-and launch option. Two calls with equal keys therefore have equal Triton specialisations and run the same
-compiled kernel, which the first call obtained through Triton's normal path. Anything else (a tensor
+:func:`launch` keeps two maps per kernel, both keyed on a *refinement* of Triton's specialisation: the
+dtype and 16-byte alignment of every tensor, the type of every float, every constexpr and launch option,
+and for the ints either their exact values (the first map: the cheapest key, ~2.5 us for 40 arguments)
+or their classes (the second: equal to 1, a multiple of 16 or neither; 32-bit, 64-bit or wider; ~2 us
+more). Calls with equal keys have equal Triton specialisations and run the same compiled kernel, which
+the first such call obtained through Triton's normal path; the ints themselves are passed at every
+launch. A repeated shape hits the first map; a shape that changes every call (a decode loop's growing Nk
+and the strides of its growing K/V cache) misses it and hits the second. Anything else (a tensor
 descriptor argument, a launch hook such as a profiler's, the interpreter) takes Triton's normal path
-every time. Exact ints make a shape that changes every call (a decode loop's growing Nk) miss every time:
-those calls pay Triton's normal launch plus the key (a few us), as before the cache. Triton settings
-read at launch (``TRITON_DEBUG``, instrumentation) reach a cached shape only through a new process.
+every time. Triton settings read at launch (``TRITON_DEBUG``, instrumentation) reach a cached kernel only
+through a new process.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ from triton import knobs
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
-# a key per distinct shape: a decode loop (Nk grows every step) would grow the cache without bound
+# exact keys: one per distinct shape, so a decode loop (Nk grows every step) would grow that map without
+# bound; the class map has one entry per compiled kernel
 _MAX_ENTRIES = 512
+_I32, _I64 = 1 << 31, 1 << 63
 
 
 def _signature(args: tuple) -> tuple | None:
@@ -46,6 +51,14 @@ def _signature(args: tuple) -> tuple | None:
     return tuple(key)
 
 
+def _int_classes(signature: tuple) -> tuple:
+    """``signature`` with each int replaced by what Triton's specialisation can tell apart in it: 1 (Triton
+    makes it a constant), a multiple of 16 (an alignment hint) or neither, and its width."""
+    return tuple((1 if a == 1 else 16 if a % 16 == 0 else 0)
+                 + (0 if -_I32 <= a < _I32 else 100 if -_I64 <= a < _I64 else 200)
+                 if type(a) is int else a for a in signature)
+
+
 def _hooked(hook) -> bool:
     """Whether a launch hook is set (triton 3.6 keeps an empty ``HookChain`` where older ones kept None)."""
     return hook is not None and bool(getattr(hook, "calls", True))
@@ -60,7 +73,17 @@ class _Compiled:
         self.kernel, self.tail = kernel, tail
 
 
-_caches: dict = {}  # JITFunction -> {key: _Compiled}
+class _KernelCache:
+    """One kernel's compiled kernels: ``exact`` maps keys with exact ints, ``by_class`` keys with int
+    classes; both to :class:`_Compiled` (an exact entry shares the object of its class entry)."""
+
+    __slots__ = ("exact", "by_class")
+
+    def __init__(self):
+        self.exact, self.by_class = {}, {}
+
+
+_caches: dict = {}  # JITFunction -> _KernelCache
 
 
 def launch(fn, grid: tuple[int, int, int], *args, **kwargs) -> None:
@@ -88,18 +111,27 @@ def _launch(fn, grid, device: int, args: tuple, kwargs: dict) -> None:
     if signature is None:
         fn[grid](*args, **kwargs)
         return
-    key = (device, signature, *kwargs.items())
-    cache = _caches.setdefault(fn, {})
-    hit = cache.get(key)
+    options = tuple(kwargs.items())
+    key = (device, signature, options)
+    cache = _caches.get(fn)
+    if cache is None:
+        cache = _caches[fn] = _KernelCache()
+    hit = cache.exact.get(key)
     if hit is None:
-        kernel = fn[grid](*args, **kwargs)
-        defaults = fn.signature.parameters
-        tail = tuple(kwargs[name] if name in kwargs else defaults[name].default
-                     for name in fn.arg_names[len(args):])
-        if len(cache) >= _MAX_ENTRIES:
-            cache.clear()
-        cache[key] = _Compiled(kernel, tail)
-        return
+        class_key = (device, _int_classes(signature), options)
+        hit = cache.by_class.get(class_key)
+        launched = hit is None
+        if launched:
+            kernel = fn[grid](*args, **kwargs)
+            defaults = fn.signature.parameters
+            tail = tuple(kwargs[name] if name in kwargs else defaults[name].default
+                         for name in fn.arg_names[len(args):])
+            hit = cache.by_class[class_key] = _Compiled(kernel, tail)
+        if len(cache.exact) >= _MAX_ENTRIES:
+            cache.exact.clear()
+        cache.exact[key] = hit
+        if launched:
+            return
     kernel = hit.kernel
     kernel.run(grid[0], grid[1], grid[2], driver.active.get_current_stream(device), kernel.function,
                kernel.packed_metadata, None, None, None, *args, *hit.tail)
