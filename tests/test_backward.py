@@ -438,43 +438,16 @@ def test_gpu_within_bar(case):
     _check_end_to_end_bar(case, "cuda")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("flat", [False, True], ids=["ranged", "flat"])
-@pytest.mark.parametrize("pattern_args", [dict(causal=True), dict(causal=True, window=(200, 0), sink_tokens=4)],
-                         ids=["causal", "window_sink_tokens"])
-def test_gpu_forced_split_within_bar(pattern_args, flat):
-    """The split dK/dV path (head and Q-range splits, float32 partials) on compiled kernels, bfloat16."""
-    B, Hq, Hkv, N, D = 1, 8, 2, 1000, 64
+def _check_config_on_gpu(Hkv, pattern_args, use_dlse, **changes):
+    """bfloat16 (1, 8, Hkv, 1000, 64) with learned sinks, through attention_backward with backward_config's
+    settings replaced by ``changes``, against the float32 oracle (the 3x bar) and the exact zeros."""
+    B, Hq, N, D = 1, 8, 1000, 64
     q, k, v = make_qkv(B, Hq, Hkv, N, N, D, torch.bfloat16, device="cuda")
     sinks = (torch.rand(Hq, device="cuda") * 2 - 1) * 5
     dout = torch.randn(B, Hq, N, D, device="cuda").to(torch.bfloat16)
+    dlse = torch.randn(B, Hq, N, device="cuda") if use_dlse else None
     pattern, scale = Pattern.make(N, N, **pattern_args), D ** -0.5
-    cfg = dataclasses.replace(backward_config(D, torch.bfloat16, pattern, "cuda"), head_splits=2, q_chunk=3,
-                              flat=flat)
-    out, lse = gstar.flash_attention(q, k, v, sinks=sinks, scale=scale, backend="triton", return_lse=True,
-                                     **pattern_args)
-    grads = attention_backward(dout, q, k, v, out, lse, None, sinks, pattern, scale, config=cfg)
-    ref = _oracle_by_kv_head(q, k, v, sinks, dout, None, pattern_args, scale, torch.float32)
-    pt = _oracle_by_kv_head(q, k, v, sinks, dout, None, pattern_args, scale, torch.bfloat16)
-    _check_bar(grads, ref, pt)
-    _check_exact_zeros(grads, pattern)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
-@pytest.mark.parametrize("pack", [2, 8])
-def test_gpu_packed_dq_within_bar(pack, tma):
-    """dQ tiles of several GQA heads on compiled kernels, bfloat16: a ragged length, learned sinks (one share
-    per head of a tile), the LSE gradient, K/V through pointers and through descriptors."""
-    B, Hq, Hkv, N, D = 1, 8, 1, 1000, 64
-    pattern_args = dict(causal=True, window=(127, 0))
-    q, k, v = make_qkv(B, Hq, Hkv, N, N, D, torch.bfloat16, device="cuda")
-    sinks = (torch.rand(Hq, device="cuda") * 2 - 1) * 5
-    dout = torch.randn(B, Hq, N, D, device="cuda").to(torch.bfloat16)
-    dlse = torch.randn(B, Hq, N, device="cuda")
-    pattern, scale = Pattern.make(N, N, **pattern_args), D ** -0.5
-    cfg = dataclasses.replace(backward_config(D, torch.bfloat16, pattern, "cuda"), dq_m=64, dq_n=32, dq_pack=pack,
-                              dq_tma=tma)
+    cfg = dataclasses.replace(backward_config(D, torch.bfloat16, pattern, "cuda"), **changes)
     out, lse = gstar.flash_attention(q, k, v, sinks=sinks, scale=scale, backend="triton", return_lse=True,
                                      **pattern_args)
     grads = attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern, scale, config=cfg)
@@ -482,6 +455,24 @@ def test_gpu_packed_dq_within_bar(pack, tma):
     pt = _oracle_by_kv_head(q, k, v, sinks, dout, dlse, pattern_args, scale, torch.bfloat16)
     _check_bar(grads, ref, pt)
     _check_exact_zeros(grads, pattern)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flat", [False, True], ids=["ranged", "flat"])
+@pytest.mark.parametrize("pattern_args", [dict(causal=True), dict(causal=True, window=(200, 0), sink_tokens=4)],
+                         ids=["causal", "window_sink_tokens"])
+def test_gpu_forced_split_within_bar(pattern_args, flat):
+    """The split dK/dV path (head and Q-range splits, float32 partials) on compiled kernels."""
+    _check_config_on_gpu(2, pattern_args, False, head_splits=2, q_chunk=3, flat=flat)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
+@pytest.mark.parametrize("pack", [2, 8])
+def test_gpu_packed_dq_within_bar(pack, tma):
+    """dQ tiles of several GQA heads on compiled kernels: a ragged length, learned sinks (one share per head
+    of a tile), the LSE gradient, K/V through pointers and through descriptors."""
+    _check_config_on_gpu(1, dict(causal=True, window=(127, 0)), True, dq_m=64, dq_n=32, dq_pack=pack, dq_tma=tma)
 
 
 DESCRIPTOR_CASES = [GPU_CASES[i] for i in (3, 4, 7, 8, 9)]
