@@ -46,7 +46,7 @@ from ..pattern import (KV_BAND_END, KV_BAND_START, KV_FULL_END, KV_FULL_START, K
 from . import descriptors, outputs
 from .configs import BackwardConfig, backward_config, dot_precision, pad_head_dim
 from .launch import launch
-from .ranges import kv_range, q_range, sequence_bounds
+from .ranges import kv_range, q_range, sequence_bounds, tile_rows
 
 LOG2E = math.log2(math.e)
 _LOG2E = tl.constexpr(LOG2E)
@@ -378,11 +378,8 @@ def _dq(
                 tl.store(dsink_slots, tl.zeros([PACK], dtype=tl.float32))
             return
     hkv = h0 // GROUP
-    offs = tl.arange(0, BLOCK_M)
-    heads = h0 + offs // ROWS                                                           # (BLOCK_M,)
-    pos = pid_m * ROWS + offs % ROWS                                                    # (BLOCK_M,)
-    tokens = (q_start + pos).to(tl.int64)                                               # (BLOCK_M,)
-    rows = pos < nq
+    # each row's query head, position, whether it is < nq, and index along the sequence axis: (BLOCK_M,)
+    heads, pos, rows, tokens = tile_rows(tl.arange(0, BLOCK_M), h0, pid_m * ROWS, q_start, nq, ROWS)
     offs_d = tl.arange(0, D_PAD)                                                        # (D_PAD,)
     tile_ok = rows[:, None] & (offs_d[None, :] < HEAD_DIM)                              # (BLOCK_M, D_PAD)
     q_rows = b * stride_qb + heads * stride_qh + tokens * stride_qn                     # (BLOCK_M,)

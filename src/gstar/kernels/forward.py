@@ -28,7 +28,7 @@ from ..pattern import Pattern, cdiv
 from . import outputs
 from .configs import dot_precision, forward_config, pad_head_dim
 from .launch import launch
-from .ranges import kv_range, sequence_bounds
+from .ranges import kv_range, sequence_bounds, tile_rows
 
 LOG2E = math.log2(math.e)
 _LOG2E = tl.constexpr(LOG2E)
@@ -132,21 +132,12 @@ def _attend_blocks(acc, m_i, l_i, q, lo_key, hi_key, acc2, m2, l2, q2, lo2, hi2,
 
 
 @triton.jit
-def _tile_rows(offs, h0, row_start, q_start, Nq, ROWS: tl.constexpr):
-    """Where tile rows ``offs`` (R,) live: their query head, their position in the sequence, whether it
-    is a real row (< Nq), and their index along Q / Out's sequence axis. Each is (R,)."""
-    heads = h0 + offs // ROWS
-    rows = row_start + offs % ROWS
-    return heads, rows, rows < Nq, q_start + rows
-
-
-@triton.jit
 def _start_rows(Q, Sinks, offs, h0, row_start, q_start, b, stride_qb, stride_qh, stride_qm, offs_d, d_ok,
                 Nq, Nk, left, right, ROWS: tl.constexpr, R: tl.constexpr, D_PAD: tl.constexpr,
                 HAS_SINKS: tl.constexpr):
     """Load the Q rows ``offs`` (R,) of the tile and start their softmax state: returns
     ``(q, lo_key, hi_key, acc, m_i, l_i)`` as :func:`_attend_blocks` takes them."""
-    heads, rows, row_ok, tokens = _tile_rows(offs, h0, row_start, q_start, Nq, ROWS)
+    heads, rows, row_ok, tokens = tile_rows(offs, h0, row_start, q_start, Nq, ROWS)
     q_rows = b * stride_qb + heads.to(tl.int64) * stride_qh + tokens * stride_qm  # (R,)
     q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :],
                 other=0.0)  # (R, D_PAD)
@@ -167,7 +158,7 @@ def _start_rows(Q, Sinks, offs, h0, row_start, q_start, b, stride_qb, stride_qh,
 def _finish_rows(Out, Lse, acc, m_i, l_i, offs, h0, row_start, q_start, b, stride_ob, stride_oh, stride_om,
                 stride_lb, stride_lh, offs_d, d_ok, Nq, ROWS: tl.constexpr):
     """Normalise and store the rows ``offs`` (R,) of the tile: Out in its dtype, the natural-log LSE."""
-    heads, rows, row_ok, tokens = _tile_rows(offs, h0, row_start, q_start, Nq, ROWS)
+    heads, rows, row_ok, tokens = tile_rows(offs, h0, row_start, q_start, Nq, ROWS)
     # rows that saw no key (and no sink) have l = 0 and acc = 0: divide by 1 to store exact zeros
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)

@@ -1,5 +1,6 @@
 """Tile ranges computed inside the kernels: the Triton twins of :func:`gstar.pattern.kv_blocks` and
-:func:`gstar.pattern.q_blocks`, and the per-sequence bounds of packed (varlen) inputs.
+:func:`gstar.pattern.q_blocks`, the per-sequence bounds of packed (varlen) inputs, and where the rows of a
+tile that packs several query heads live.
 
 The kernels work out which blocks a tile visits from a few scalars instead of reading a host-built table:
 with packed sequences the lengths live in ``cu_seqlens`` on the device, and a host table would need them on
@@ -27,6 +28,16 @@ def sequence_bounds(Cu, seq, n, VARLEN: tl.constexpr):
         start = seq * 0
         length = n
     return start, length
+
+
+@triton.jit
+def tile_rows(offs, h0, row_start, q_start, Nq, ROWS: tl.constexpr):
+    """Where tile rows ``offs`` (R,) live when a tile stacks query heads ``h0, h0 + 1, ...`` of ROWS
+    positions each (PACK_GQA): their query head, their position in the sequence, whether it is a real row
+    (< Nq), and their index along the sequence axis of Q / dO / Out (``q_start`` + position). Each is (R,)."""
+    heads = h0 + offs // ROWS
+    rows = row_start + offs % ROWS
+    return heads, rows, rows < Nq, q_start + rows
 
 
 @triton.jit
