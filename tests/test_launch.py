@@ -10,7 +10,7 @@ from triton.runtime.jit import JITFunction
 
 from gstar.kernels import launch as launching
 from gstar.kernels.descriptors import tiles
-from gstar.kernels.launch import launch
+from gstar.kernels.launch import constexprs, launch
 
 
 @triton.jit
@@ -45,8 +45,8 @@ class _Recorder:
     def run(self, *launcher_args):
         self.calls.append(("direct", launcher_args))
 
-    def launch(self, *args, **kwargs):
-        launching._launch(self.fn, (3, 1, 1), 0, args, dict(num_warps=4, **kwargs))
+    def launch(self, x, *scalars, **kwargs):
+        launching._launch(self.fn, (3, 1, 1), 0, (x,), scalars, constexprs(num_warps=4, **kwargs))
         return self.calls[-1][0]
 
 
@@ -100,28 +100,28 @@ def _aligned_and_shifted(n, dtype=torch.float16, device="cpu"):
 
 def test_keys_separate_what_triton_specialises_on():
     aligned, shifted = _aligned_and_shifted(64)
-    sig = launching._signature
-    assert sig((aligned, 16)) != sig((shifted, 16))                 # pointer alignment
-    assert sig((aligned, 16)) != sig((aligned.float(), 16))         # dtype
-    assert sig((aligned, 1)) != sig((aligned, 17)) != sig((aligned, 16))  # ints: exact value
-    classes = launching._int_classes
-    assert classes(sig((aligned, 1))) != classes(sig((aligned, 17))) != classes(sig((aligned, 16)))
-    assert classes(sig((aligned, 17, -1))) == classes(sig((aligned, 5, 3)))       # neither 1 nor 16k
-    assert classes(sig((aligned, 0, -32))) == classes(sig((aligned, 4096, 2 ** 30)))  # multiples of 16
-    assert classes(sig((aligned, 2 ** 31 - 1))) != classes(sig((aligned, 2 ** 31 + 1)))  # 32 and 64 bits
-    assert classes(sig((aligned, -2 ** 31))) == classes(sig((aligned, 16))) != classes(sig((aligned, -2 ** 31 - 16)))
-    assert classes(sig((aligned, 2 ** 63 + 1))) != classes(sig((aligned, 2 ** 62 + 1)))  # wider than int64
-    assert classes(sig((aligned, True, None, 0.5))) == sig((aligned, True, None, 0.5))  # only ints change
-    assert sig((aligned, True)) != sig((aligned, 1))                # a bool is not the int 1
-    assert sig((aligned, None)) != sig((aligned, 0))
-    assert sig((aligned, 0.5)) == sig((aligned.clone(), 2.0))       # floats are not specialised, nor storage
-    assert sig((tiles(torch.randn(1, 1, 32, 16), (1, 1, 16, 16)),)) is None  # descriptors: Triton's own path
+    tensors = launching._tensor_key
+    assert tensors((aligned,)) != tensors((shifted,))                # pointer alignment
+    assert tensors((aligned,)) != tensors((aligned.float(),))        # dtype
+    assert tensors((aligned,)) == tensors((aligned.clone(),))        # not the storage
+    assert tensors((aligned, None)) != tensors((aligned, aligned))   # an absent pointer
+    assert tensors((tiles(torch.randn(1, 1, 32, 16), (1, 1, 16, 16)),)) is None  # descriptors: Triton's own path
+    classes = launching._classes
+    assert classes((1,)) != classes((17,)) != classes((16,))
+    assert classes((17, -1)) == classes((5, 3))                      # neither 1 nor a multiple of 16
+    assert classes((0, -32)) == classes((4096, 2 ** 30))             # multiples of 16
+    assert classes((2 ** 31 - 1,)) != classes((2 ** 31 + 1,))        # 32 and 64 bits
+    assert classes((-2 ** 31,)) == classes((16,)) != classes((-2 ** 31 - 16,))
+    assert classes((2 ** 63 + 1,)) != classes((2 ** 62 + 1,))        # wider than int64
+    assert classes((0.5,)) == classes((2.0,)) != classes((2,))        # floats by type only, not ints
+    assert classes((True,)) != classes((1,))                         # a bool is not the int 1
+    assert classes(("text",)) is None                                # anything else: Triton's own path
 
 
 def _run_and_check(device, x, n, stride, factor, negate=False):
     y = torch.full((n,), float("nan"), dtype=x.dtype, device=device)
-    launch(_scaled_copy, (triton.cdiv(n, 32), 1, 1), x, y, n, stride, factor, BLOCK=32, NEGATE=negate,
-           num_warps=1, num_stages=1)
+    launch(_scaled_copy, (triton.cdiv(n, 32), 1, 1), (x, y), (n, stride, factor),
+           constexprs(BLOCK=32, NEGATE=negate, num_warps=1, num_stages=1))
     want = x[: n * stride: stride] * factor
     torch.testing.assert_close(y, -want if negate else want)
 

@@ -12,7 +12,8 @@ Kernels, each one family specialised by ``tl.constexpr`` flags, in launch order:
   GQA group; the program keeps K, V and the dK, dV accumulators on chip while it walks those (head,
   Q tile) pairs. K/V are never expanded. :func:`split_plan` picks the split from the SM count: with few kv
   heads (MQA: 64 KV tiles on 132 SMs) or one KV tile seen by every Q tile (sink tokens, causal starts)
-  a single program per tile would leave SMs idle behind one long program.
+  a single program per tile would leave SMs idle behind one long program. With learned sinks the first
+  program of each (kv head, head split) also adds up its query heads' dsinks shares.
 * ``_sum_partials``: when work is split, each program writes float32 partials and this kernel adds them,
   per KV tile, in a fixed order. Without a split ``_dkdv`` writes dK, dV directly.
 
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -44,8 +46,9 @@ import triton.language as tl
 from ..pattern import (KV_BAND_END, KV_BAND_START, KV_FULL_END, KV_FULL_START, KV_SINK_END, Q_END, Q_FULL_END,
                        Q_FULL_START, Q_START, Pattern, cdiv, kv_block_table, q_block_table)
 from . import descriptors, outputs
-from .configs import BackwardConfig, backward_config, dot_precision, pad_head_dim
-from .launch import launch
+from .configs import BackwardConfig, backward_config, dot_precision, next_power_of_2, pad_head_dim
+from .forward import batch_strides
+from .launch import constexprs, launch
 from .ranges import kv_range, q_range, sequence_bounds, tile_rows
 
 LOG2E = math.log2(math.e)
@@ -178,8 +181,23 @@ def _dkdv_step(
 
 
 @triton.jit
+def _sum_sink_shares(SHARES, DSINKS, h_first, heads, hq, n_rows, GROUP_PAD: tl.constexpr,
+                     SHARE_ROWS: tl.constexpr):
+    """dsinks[h] for query heads ``h_first .. h_first + heads - 1``: the sum of their columns of SHARES,
+    (n_rows, hq) float32 (``_dq``'s per-tile shares), in a fixed order. GROUP_PAD: a power of two >= heads."""
+    offs_h = tl.arange(0, GROUP_PAD)                                                    # (GROUP_PAD,)
+    head_ok = offs_h < heads
+    total = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    for r in range(0, n_rows, SHARE_ROWS):
+        rows = r + tl.arange(0, SHARE_ROWS)                                             # (SHARE_ROWS,)
+        ptrs = SHARES + rows.to(tl.int64)[:, None] * hq + h_first + offs_h[None, :]      # (SHARE_ROWS, GROUP_PAD)
+        total += tl.sum(tl.load(ptrs, mask=(rows[:, None] < n_rows) & head_ok[None, :], other=0.0), axis=0)
+    tl.store(DSINKS + h_first + offs_h, total, mask=head_ok)
+
+
+@triton.jit
 def _dkdv(
-    Q, K, V, DO, LSE2, DELTA, DK, DV, WORK, CuQ, CuK,
+    Q, K, V, DO, LSE2, DELTA, DK, DV, WORK, SHARES, DSINKS, CuQ, CuK,
     stride_qb, stride_qh, stride_qn,        # Q: (B, Hq, Nq, D)
     stride_kb, stride_kh, stride_kn,        # K: (B, Hkv, Nk, D)
     stride_vb, stride_vh, stride_vn,        # V: (B, Hkv, Nk, D)
@@ -188,8 +206,10 @@ def _dkdv(
     stride_dvb, stride_dvh, stride_dvn,     # DV: (B, Hkv, Nk, D) (unused if SPLIT)
     stride_lb, stride_lh,                   # LSE2, DELTA: (B, Hq, Nq) float32, unit last stride
     nq, nk, head_splits, n_items,           # WORK: (n_items, 5) int32 (dense only)
+    n_shares,                               # SHARES: (n_shares, Hq) float32, DSINKS: (Hq,) (if HAS_SINKS)
     left, right, sink_tokens, scale, qk_scale,
-    SPLIT: tl.constexpr, FLAT: tl.constexpr, VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_SINKS: tl.constexpr, GROUP_PAD: tl.constexpr, SHARE_ROWS: tl.constexpr,
+    FLAT: tl.constexpr, VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr, PRECISION: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     TMA: tl.constexpr,
@@ -203,6 +223,8 @@ def _dkdv(
     the whole group one split: the result goes to DK, DV in their dtype. With SPLIT (dense only) DK and DV
     are float32 partials ``(B, Hkv, head_splits, n_items, BLOCK_N, D_PAD)`` contiguous, summed by
     ``_sum_partials``. TMA (dense only): Q and DO are tensor descriptors moving (1, 1, BLOCK_M, D_PAD) tiles.
+    HAS_SINKS: the program of item 0 and sequence 0 of each (kv head, head split) also sums its query
+    heads' dsinks shares, which ``_dq`` (launched before) stored, into DSINKS (one launch fewer).
     """
     item = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -213,9 +235,14 @@ def _dkdv(
     heads = GROUP // head_splits
     q_start, nq = sequence_bounds(CuQ, b, nq, VARLEN)
     k_start, nk = sequence_bounds(CuK, b, nk, VARLEN)
+    h_first = hkv * GROUP + split * heads  # this program's query heads: h_first .. h_first + heads - 1
+    hq = (tl.num_programs(1) // head_splits) * GROUP
     if VARLEN:
         tile = item
         if tile * BLOCK_N >= nk:  # tiles past a shorter packed sequence
+            if HAS_SINKS:
+                if (item == 0) & (seq == 0):  # a first sequence without keys still owes its dsinks sum
+                    _sum_sink_shares(SHARES, DSINKS, h_first, heads, hq, n_shares, GROUP_PAD, SHARE_ROWS)
             return
         m_start, m_full_start, m_full_end, m_end = q_range(tile * BLOCK_N, nq, nk, left, right, sink_tokens,
                                                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -234,7 +261,7 @@ def _dkdv(
     if FLAT:  # one pipelined loop over (head, Q tile) pairs, every tile masked
         n_m = m_end - m_start
         for it in range(0, heads * n_m):
-            h = hkv * GROUP + split * heads + it // n_m
+            h = h_first + it // n_m
             m = m_start + it % n_m
             q_head, do_head = _head_rows(Q, DO, b, h, q_start, stride_qb, stride_qh, stride_qn, stride_dob,
                                          stride_doh, stride_don, TMA)
@@ -269,6 +296,9 @@ def _dkdv(
         dv_head = DV + b * stride_dvb + hkv * stride_dvh + k_start * stride_dvn
         _store_rows(dk_head, offs_n, nk, stride_dkn, offs_d, dk * scale, HEAD_DIM)
         _store_rows(dv_head, offs_n, nk, stride_dvn, offs_d, dv, HEAD_DIM)
+    if HAS_SINKS:
+        if (item == 0) & (seq == 0):  # last: placed first, it measurably changed the code of the loops above
+            _sum_sink_shares(SHARES, DSINKS, h_first, heads, hq, n_shares, GROUP_PAD, SHARE_ROWS)
 
 
 @triton.jit
@@ -369,9 +399,9 @@ def _dq(
     ROWS: tl.constexpr = BLOCK_M // PACK  # positions per tile and head
     q_start, nq = sequence_bounds(CuQ, b, nq, VARLEN)
     k_start, nk = sequence_bounds(CuK, b, nk, VARLEN)
-    # this tile's shares of dsinks[h0 .. h0 + PACK - 1]: DSINKS[b, pid_m, h0 ...] of (B, n_tiles, Hq)
-    dsink_slots = (DSINKS + (b * tl.num_programs(0) + pid_m) * (tl.num_programs(1) * PACK) + h0
-                   + tl.arange(0, PACK))                                                # (PACK,)
+    if HAS_SINKS:  # this tile's shares of dsinks[h0 .. h0 + PACK - 1]: DSINKS[b, pid_m, h0 ...], (B, n_tiles, Hq)
+        dsink_slots = (DSINKS + (b * tl.num_programs(0) + pid_m) * (tl.num_programs(1) * PACK) + h0
+                       + tl.arange(0, PACK))                                            # (PACK,)
     if VARLEN:  # tiles past a shorter packed sequence (a dense grid has none: no branch around the body)
         if pid_m * ROWS >= nq:
             if HAS_SINKS:
@@ -506,6 +536,97 @@ def split_plan(pattern: Pattern, block_m: int, block_n: int, group: int, program
     return _plan(pattern, block_m, block_n, group, programs, sms, head_splits, q_chunk, str(device))
 
 
+class _Plan(NamedTuple):
+    """What the backward's launches need besides the data, derived once per layout by :func:`_launch_plan`.
+    Scalar tuples are split around the strides of the gradients, which are read from them at each call."""
+
+    stats_shape: tuple          # delta and lse2: (2, B, Hq, Nq) float32
+    shares_shape: tuple | None  # dsinks shares: (seqs, n_q_tiles, Hq) float32, None without sinks
+    partials_shape: tuple | None  # dK, dV partials: (2, B, Hkv, head_splits, n_items, dkdv_n, D_PAD) or None
+    dq_grid: tuple
+    dq_head: tuple              # strides of q, k, v, out, dout
+    dq_tail: tuple              # strides of dLSE and LSE, Nq, Nk, left, right, sink_tokens, scale, qk_scale
+    dq_options: tuple           # constexprs, without and with descriptors
+    dq_tma: bool
+    kv_table: torch.Tensor | None
+    dkdv_grid: tuple
+    dkdv_head: tuple            # strides of q, k, v, dout
+    dkdv_tail: tuple            # strides of LSE, Nq, Nk, head_splits, n_items, n_shares, left, ..., qk_scale
+    dkdv_options: tuple
+    dkdv_tma: bool
+    work: torch.Tensor | None
+    sum_grid: tuple | None      # _sum_partials, when the dK/dV work is split
+    sum_tail: tuple
+    sum_options: tuple
+    first: torch.Tensor | None
+    dq_tile: tuple              # descriptor blocks: (1, 1, dq_n, D_PAD) and (1, 1, dkdv_m, D_PAD)
+    dkdv_tile: tuple
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tuple, v_stride: tuple,
+                 o_stride: tuple, do_stride: tuple, dlse_stride: tuple | None, dtype: torch.dtype,
+                 device: torch.device, has_sinks: bool, pattern: Pattern, scale: float, seqs: int | None,
+                 config: BackwardConfig | None, precision: str) -> _Plan:
+    """The launches of one layout (as ``forward._launch_plan``; ``dlse_stride`` None without an LSE gradient)."""
+    B, Hq, Nq, D = q_shape
+    Hkv, Nk = k_shape[1], k_shape[2]
+    group = Hq // Hkv
+    varlen = seqs is not None
+    cfg = config or backward_config(D, dtype, pattern, device, batch_heads=B * Hq, group=group)
+    d_pad = pad_head_dim(D)
+    shared = dict(
+        HAS_LEFT=pattern.left >= 0, HAS_RIGHT=pattern.right >= 0, HAS_SINK_TOKENS=pattern.sink_tokens > 0,
+        PRECISION=precision, GROUP=group, HEAD_DIM=D, D_PAD=d_pad, FLAT=cfg.flat, VARLEN=varlen,
+    )
+    runtime = (pattern.left, pattern.right, pattern.sink_tokens, float(scale), scale * LOG2E)
+    stats_strides = (Hq * Nq, Nq)  # delta, lse2 and LSE: (B, Hq, Nq) contiguous
+    lse_strides = batch_strides((*stats_strides, 1), varlen)[:2]
+    q_s, k_s, v_s, o_s, do_s = (batch_strides(s, varlen) for s in (q_stride, k_stride, v_stride, o_stride, do_stride))
+    dl_s = batch_strides(dlse_stride or (0, 0, 0), varlen)  # dLSE's (unused without one)
+
+    pack = math.gcd(cfg.dq_pack, group, cfg.dq_m)
+    rows = cfg.dq_m // pack  # positions per dQ tile and head
+    n_q_tiles = cdiv(pattern.nq, rows)
+    programs = seqs if varlen else B
+    dq_options = [constexprs(
+        HAS_DLSE=dlse_stride is not None, HAS_SINKS=has_sinks, BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n, PACK=pack,
+        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, TMA=tma, **shared) for tma in (False, True)]
+
+    if varlen:
+        head_splits, work, first = 1, None, None
+        n_items = n_tiles = cdiv(pattern.nk, cfg.dkdv_n)
+    else:
+        head_splits, work, first = split_plan(pattern, cfg.dkdv_m, cfg.dkdv_n, group, Hkv * B, device,
+                                              head_splits=cfg.head_splits, q_chunk=cfg.q_chunk)
+        n_tiles, n_items = first.shape[0] - 1, work.shape[0]
+    split = head_splits > 1 or n_items > n_tiles
+    group_pad = next_power_of_2(group)
+    dkdv_options = [constexprs(
+        SPLIT=split, HAS_SINKS=has_sinks, GROUP_PAD=group_pad, SHARE_ROWS=max(16, 2048 // group_pad),
+        BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, TMA=tma,
+        **shared) for tma in (False, True)]
+    return _Plan(
+        stats_shape=(2, B, Hq, Nq),
+        shares_shape=(programs, n_q_tiles, Hq) if has_sinks else None,
+        partials_shape=(2, B, Hkv, head_splits, n_items, cfg.dkdv_n, d_pad) if split else None,
+        dq_grid=(n_q_tiles, Hq // pack, programs),
+        dq_head=(*q_s, *k_s, *v_s, *o_s, *do_s),
+        dq_tail=(*dl_s, *lse_strides, Nq, Nk, *runtime),
+        dq_options=tuple(dq_options), dq_tma=cfg.dq_tma and not varlen,
+        kv_table=None if varlen else kv_block_table(pattern, rows, cfg.dq_n, device),  # (n_q_tiles, 5)
+        dkdv_grid=(n_items, Hkv * head_splits, programs),
+        dkdv_head=(*q_s, *k_s, *v_s, *do_s),
+        dkdv_tail=(*lse_strides, Nq, Nk, head_splits, n_items, programs * n_q_tiles, *runtime),
+        dkdv_options=tuple(dkdv_options), dkdv_tma=cfg.dkdv_tma and not varlen, work=work,
+        sum_grid=(n_tiles, Hkv, B) if split else None,
+        sum_tail=(Hkv, Nk, head_splits, n_items),
+        sum_options=constexprs(BLOCK_N=cfg.dkdv_n, ROWS=min(cfg.dkdv_n, max(16, 2048 // d_pad)), HEAD_DIM=D,
+                               D_PAD=d_pad, num_warps=4),
+        first=first, dq_tile=(1, 1, cfg.dq_n, d_pad), dkdv_tile=(1, 1, cfg.dkdv_m, d_pad),
+    )
+
+
 def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale: float, *,
                        config: BackwardConfig | None = None,
                        cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -529,11 +650,10 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
     ``(Hq,)`` float32 or ``None``. Bitwise deterministic on one device (the split depends on its SM
     count): no atomics, fixed loop and summation order.
     """
-    B, Hq, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
+    B, Hq, Nq, _ = q.shape
     varlen = cu_seqlens is not None
     like = outputs.empty_packed_like if varlen else outputs.empty_like
-    if B * Hq * Nq == 0 or Nk == 0:
+    if B * Hq * Nq == 0 or k.shape[2] == 0:
         grads = [like(t).zero_() for t in (q, k, v)]
         dsinks = None
         if sinks is not None:  # no keys: out = 0 and lse = sinks[h], so only the LSE's gradient reaches them
@@ -541,75 +661,38 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
             if dlse is not None:
                 dsinks += dlse.float().sum(dim=(0, 2))
         return (*grads, dsinks)
-    cfg = config or backward_config(D, q.dtype, pattern, q.device, batch_heads=B * Hq, group=Hq // Hkv)
-    d_pad = pad_head_dim(D)
+    plan = _launch_plan(q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), dout.stride(),
+                        None if dlse is None else dlse.stride(), q.dtype, q.device, sinks is not None, pattern,
+                        scale, cu_seqlens[0].shape[0] - 1 if varlen else None, config, dot_precision(q.dtype))
+    stats = outputs.empty(plan.stats_shape, dtype=torch.float32, device=q.device)
+    delta, lse2 = stats[0], stats[1]                                                # (B, Hq, Nq) each
     cu_q, cu_k = cu_seqlens if varlen else (lse, lse)  # any pointer when VARLEN is off
-    seqs = cu_q.shape[0] - 1 if varlen else B
-
-    def strides(t):  # packed sequences are found through cu_seqlens, not a batch stride
-        return (0, *t.stride()[1:3]) if varlen else t.stride()[:3]
-
-    delta = outputs.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)        # like lse
-    lse2 = outputs.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)         # like lse
-    dl = delta if dlse is None else dlse  # any valid pointer when HAS_DLSE is off
-
-    group = Hq // Hkv
-    shared = dict(
-        HAS_LEFT=pattern.left >= 0, HAS_RIGHT=pattern.right >= 0, HAS_SINK_TOKENS=pattern.sink_tokens > 0,
-        PRECISION=dot_precision(q.dtype), GROUP=group, HEAD_DIM=D, D_PAD=d_pad, FLAT=cfg.flat, VARLEN=varlen,
-    )
-    runtime = (pattern.left, pattern.right, pattern.sink_tokens, scale, scale * LOG2E)
-    operands = (*strides(q), *strides(k), *strides(v), *strides(dout))
-    dq_tma = cfg.dq_tma and not varlen and descriptors.supported(k, v)
-    dkdv_tma = cfg.dkdv_tma and not varlen and descriptors.supported(q, dout)
+    dq_tma = plan.dq_tma and descriptors.supported(k, v)
+    dkdv_tma = plan.dkdv_tma and descriptors.supported(q, dout)
     k_in, v_in, q_in, do_in = k, v, q, dout
     if dq_tma:  # dQ reads its K, V tiles through descriptors
-        k_in, v_in = (descriptors.tiles(t, (1, 1, cfg.dq_n, d_pad)) for t in (k, v))
+        k_in, v_in = (descriptors.tiles(t, plan.dq_tile) for t in (k, v))
     if dkdv_tma:  # dK/dV its Q, dO tiles
-        q_in, do_in = (descriptors.tiles(t, (1, 1, cfg.dkdv_m, d_pad)) for t in (q, dout))
+        q_in, do_in = (descriptors.tiles(t, plan.dkdv_tile) for t in (q, dout))
 
     # dQ first: its programs also store delta and lse2, which every dK/dV program reads
     dq = like(q)
-    pack = math.gcd(cfg.dq_pack, group, cfg.dq_m)
-    rows = cfg.dq_m // pack  # positions per dQ tile and head
-    n_q_tiles = cdiv(pattern.nq, rows)
-    kv_table = lse if varlen else kv_block_table(pattern, rows, cfg.dq_n, q.device)   # (n_q_tiles, 5)
-    shares = outputs.empty((seqs, n_q_tiles, Hq) if sinks is not None else (1,), dtype=torch.float32,
-                           device=q.device)                                    # (B, n_q_tiles, Hq) of dsinks
-    launch(
-        _dq, (n_q_tiles, Hq // pack, seqs), q, k_in, v_in, out, dout, dl, lse, sinks, lse2, delta, dq, shares,
-        kv_table, cu_q, cu_k, *strides(q), *strides(k), *strides(v), *strides(out), *strides(dout), *strides(dq),
-        *strides(dl), *strides(lse)[:2], Nq, Nk,
-        *runtime, HAS_DLSE=dlse is not None, HAS_SINKS=sinks is not None, BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n,
-        PACK=pack, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, TMA=dq_tma, **shared,
-    )
-    dsinks = None if sinks is None else shares.sum(dim=(0, 1))                       # (Hq,) fixed order
+    shares = dsinks = None
+    if sinks is not None:
+        shares = outputs.empty(plan.shares_shape, dtype=torch.float32, device=q.device)  # (seqs, n_q_tiles, Hq)
+        dsinks = outputs.empty((Hq,), dtype=torch.float32, device=q.device)             # summed by _dkdv
+    launch(_dq, plan.dq_grid, (q, k_in, v_in, out, dout, dlse, lse, sinks, lse2, delta, dq, shares,
+                               plan.kv_table, cu_q, cu_k),
+           (*plan.dq_head, *batch_strides(dq.stride(), varlen), *plan.dq_tail), plan.dq_options[dq_tma])
 
     dk, dv = like(k), like(v)
-    if varlen:
-        head_splits, work, first = 1, lse, None
-        n_items = n_tiles = cdiv(pattern.nk, cfg.dkdv_n)
-    else:
-        head_splits, work, first = split_plan(pattern, cfg.dkdv_m, cfg.dkdv_n, group, Hkv * B, q.device,
-                                              head_splits=cfg.head_splits, q_chunk=cfg.q_chunk)
-        n_tiles, n_items = first.shape[0] - 1, work.shape[0]
-    split = head_splits > 1 or n_items > n_tiles
     pk, pv = dk, dv
-    if split:
-        parts = (B, Hkv, head_splits, n_items, cfg.dkdv_n, d_pad)
-        pk = outputs.empty(parts, dtype=torch.float32, device=q.device)
-        pv = outputs.empty(parts, dtype=torch.float32, device=q.device)
-    launch(
-        _dkdv, (n_items, Hkv * head_splits, seqs), q_in, k, v, do_in, lse2, delta, pk, pv, work, cu_q, cu_k,
-        *operands, *strides(dk), *strides(dv), *strides(lse)[:2], Nq, Nk, head_splits, n_items, *runtime,
-        SPLIT=split, BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
-        TMA=dkdv_tma, **shared,
-    )
-    if split:
-        launch(
-            _sum_partials, (n_tiles, Hkv, B), pk, pv, dk, dv, first, *dk.stride()[:3], *dv.stride()[:3], Hkv, Nk,
-            head_splits, n_items, BLOCK_N=cfg.dkdv_n, ROWS=min(cfg.dkdv_n, max(16, 2048 // d_pad)), HEAD_DIM=D,
-            D_PAD=d_pad, num_warps=4,
-        )
-
+    if plan.partials_shape is not None:
+        pk, pv = outputs.empty(plan.partials_shape, dtype=torch.float32, device=q.device)
+    launch(_dkdv, plan.dkdv_grid, (q_in, k, v, do_in, lse2, delta, pk, pv, plan.work, shares, dsinks, cu_q, cu_k),
+           (*plan.dkdv_head, *batch_strides(dk.stride(), varlen), *batch_strides(dv.stride(), varlen),
+            *plan.dkdv_tail), plan.dkdv_options[dkdv_tma])
+    if plan.sum_grid is not None:
+        launch(_sum_partials, plan.sum_grid, (pk, pv, dk, dv, plan.first),
+               (*dk.stride()[:3], *dv.stride()[:3], *plan.sum_tail), plan.sum_options)
     return dq, dk, dv, dsinks

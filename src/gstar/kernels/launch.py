@@ -7,17 +7,19 @@ most of it Triton re-deriving, argument by argument, which compiled specialisati
 it up; the launch itself takes about 10 us (``scripts/profile-host``). At small shapes (the stage rows, a
 128-key window layer) the host is slower than the GPU, so these microseconds are the kernel's speed.
 
-:func:`launch` keeps two maps per kernel, both keyed on a *refinement* of Triton's specialisation: the
-dtype and 16-byte alignment of every tensor, the type of every float, every constexpr and launch option,
-and for the ints either their exact values (the first map: the cheapest key, ~2.5 us for 40 arguments)
-or their classes (the second: equal to 1, a multiple of 16 or neither; 32-bit, 64-bit or wider; ~2 us
-more). Calls with equal keys have equal Triton specialisations and run the same compiled kernel, which
-the first such call obtained through Triton's normal path; the ints themselves are passed at every
-launch. A repeated shape hits the first map; a shape that changes every call (a decode loop's growing Nk
-and the strides of its growing K/V cache) misses it and hits the second. Anything else (a tensor
-descriptor argument, a launch hook such as a profiler's, the interpreter) takes Triton's normal path
-every time. Triton settings read at launch (``TRITON_DEBUG``, instrumentation) reach a cached kernel only
-through a new process.
+:func:`launch` takes a kernel's arguments in three groups, as our kernels order their parameters: the
+tensors (pointer parameters, first), the scalars (ints and floats) and the constexprs with the launch
+options (a tuple made once per shape by :func:`constexprs`). It keeps two maps per kernel, both keyed on a
+*refinement* of Triton's specialisation: the dtype and 16-byte alignment of every tensor, every
+constexpr and launch option, and the scalars either exactly (the first map: the cheapest key, a tuple
+hashed as it comes) or by class (the second: each int equal to 1, a multiple of 16 or neither, and
+32-bit, 64-bit or wider; each float by its type). Calls with equal keys have equal Triton
+specialisations and run the same compiled kernel, which the first such call obtained through Triton's
+normal path; the scalars themselves are passed at every launch. A repeated shape hits the first map; a
+shape that changes every call (a decode loop's growing Nk and the strides of its growing K/V cache)
+misses it and hits the second. Anything else (a tensor descriptor argument, a launch hook such as a
+profiler's, the interpreter) takes Triton's normal path every time. Triton settings read at launch
+(``TRITON_DEBUG``, instrumentation) reach a cached kernel only through a new process.
 """
 
 from __future__ import annotations
@@ -33,30 +35,40 @@ _MAX_ENTRIES = 512
 _I32, _I64 = 1 << 31, 1 << 63
 
 
-def _signature(args: tuple) -> tuple | None:
-    """The cache key's share of the runtime arguments, or None if one is of a kind we don't key on."""
+def constexprs(**kwargs) -> tuple:
+    """A launch's constexprs and launch options (``num_warps``, ``num_stages``) as :func:`launch` takes
+    them: a hashable tuple, built once per shape by the caller's plan rather than at every launch."""
+    return tuple(kwargs.items())
+
+
+def _tensor_key(tensors: tuple) -> tuple | None:
+    """The cache key's share of the pointer arguments, or None if one is not a tensor (a descriptor)."""
     key = []
-    for a in args:
-        kind = type(a)
-        if kind is int or a is None:
-            key.append(a)
-        elif kind is float:
-            key.append(float)
-        elif kind is bool:
-            key.append((bool, a))
-        elif isinstance(a, torch.Tensor):
-            key.append((a.dtype, a.data_ptr() % 16 == 0))
+    for t in tensors:
+        if t is None:
+            key.append(None)
+        elif isinstance(t, torch.Tensor):
+            key.append((t.dtype, t.data_ptr() % 16 == 0))
         else:
             return None
     return tuple(key)
 
 
-def _int_classes(signature: tuple) -> tuple:
-    """``signature`` with each int replaced by what Triton's specialisation can tell apart in it: 1 (Triton
-    makes it a constant), a multiple of 16 (an alignment hint) or neither, and its width."""
-    return tuple((1 if a == 1 else 16 if a % 16 == 0 else 0)
-                 + (0 if -_I32 <= a < _I32 else 100 if -_I64 <= a < _I64 else 200)
-                 if type(a) is int else a for a in signature)
+def _classes(scalars: tuple) -> tuple | None:
+    """``scalars`` as far as Triton's specialisation tells them apart: each int as 1 (Triton makes it a
+    constant), a multiple of 16 (an alignment hint) or neither, plus its width; floats and bools by type.
+    None if one is of another kind (those take Triton's own path)."""
+    key = []
+    for a in scalars:
+        kind = type(a)
+        if kind is int:
+            key.append((1 if a == 1 else 16 if a % 16 == 0 else 0)
+                       + (0 if -_I32 <= a < _I32 else 100 if -_I64 <= a < _I64 else 200))
+        elif kind is float or kind is bool:
+            key.append(kind)
+        else:
+            return None
+    return tuple(key)
 
 
 def _hooked(hook) -> bool:
@@ -74,7 +86,7 @@ class _Compiled:
 
 
 class _KernelCache:
-    """One kernel's compiled kernels: ``exact`` maps keys with exact ints, ``by_class`` keys with int
+    """One kernel's compiled kernels: ``exact`` maps keys with exact scalars, ``by_class`` keys with scalar
     classes; both to :class:`_Compiled` (an exact entry shares the object of its class entry)."""
 
     __slots__ = ("exact", "by_class")
@@ -86,46 +98,54 @@ class _KernelCache:
 _caches: dict = {}  # JITFunction -> _KernelCache
 
 
-def launch(fn, grid: tuple[int, int, int], *args, **kwargs) -> None:
-    """``fn[grid](*args, **kwargs)`` on the device of the tensors in ``args``, through the cache above.
+def launch(fn, grid: tuple[int, int, int], tensors: tuple, scalars: tuple, options: tuple) -> None:
+    """``fn[grid](*tensors, *scalars, **dict(options))`` on the device of ``tensors``, through the cache
+    above.
 
-    fn: a ``@triton.jit`` function whose parameters are ``args`` (its runtime arguments, in order) followed
-    by constexpr parameters, given in ``kwargs`` (with the launch options ``num_warps``, ``num_stages``) or
-    left at their defaults; grid: three ints. Triton launches on the current CUDA device, which need not
-    hold the tensors (a model spread over GPUs calls layer by layer without switching), so a launch for
-    another device switches to it, as PyTorch's own operators do.
+    fn: a ``@triton.jit`` function whose parameters are the pointer arguments ``tensors`` (torch tensors,
+    None, or tensor descriptors), then the runtime ``scalars`` (ints, floats), then constexpr parameters,
+    given in ``options`` (from :func:`constexprs`, with the launch options) or left at their defaults;
+    grid: three ints. Each scalar keeps its type from call to call (the exact map compares values, and
+    ``2 == 2.0``): pass floats as floats even when they are whole. Triton launches on the current CUDA
+    device, which need not hold the tensors (a model spread over GPUs calls layer by layer without
+    switching), so a launch for another device switches to it, as PyTorch's own operators do.
     """
-    index = next(a for a in args if isinstance(a, torch.Tensor)).get_device()  # -1 on the CPU
+    first = next(t for t in tensors if t is not None)
+    index = (first if isinstance(first, torch.Tensor) else first.base).get_device()  # -1 on the CPU
     if index >= 0 and index != driver.active.get_current_device():
         with torch.cuda.device(index):
-            _launch(fn, grid, index, args, kwargs)
+            _launch(fn, grid, index, tensors, scalars, options)
     else:
-        _launch(fn, grid, index, args, kwargs)
+        _launch(fn, grid, index, tensors, scalars, options)
 
 
-def _launch(fn, grid, device: int, args: tuple, kwargs: dict) -> None:
+def _launch(fn, grid, device: int, tensors: tuple, scalars: tuple, options: tuple) -> None:
     signature = None
     if device >= 0 and isinstance(fn, JITFunction) and not (_hooked(knobs.runtime.launch_enter_hook)
                                                             or _hooked(knobs.runtime.launch_exit_hook)):
-        signature = _signature(args)  # not under the interpreter, nor with a profiler's launch hooks
+        signature = _tensor_key(tensors)  # not under the interpreter, nor with a profiler's launch hooks
     if signature is None:
-        fn[grid](*args, **kwargs)
+        fn[grid](*tensors, *scalars, **dict(options))
         return
-    options = tuple(kwargs.items())
-    key = (device, signature, options)
+    key = (device, signature, scalars, options)
     cache = _caches.get(fn)
     if cache is None:
         cache = _caches[fn] = _KernelCache()
     hit = cache.exact.get(key)
     if hit is None:
-        class_key = (device, _int_classes(signature), options)
+        classes = _classes(scalars)
+        if classes is None:
+            fn[grid](*tensors, *scalars, **dict(options))
+            return
+        class_key = (device, signature, classes, options)
         hit = cache.by_class.get(class_key)
         launched = hit is None
         if launched:
-            kernel = fn[grid](*args, **kwargs)
+            kwargs = dict(options)
+            kernel = fn[grid](*tensors, *scalars, **kwargs)
             defaults = fn.signature.parameters
             tail = tuple(kwargs[name] if name in kwargs else defaults[name].default
-                         for name in fn.arg_names[len(args):])
+                         for name in fn.arg_names[len(tensors) + len(scalars):])
             hit = cache.by_class[class_key] = _Compiled(kernel, tail)
         if len(cache.exact) >= _MAX_ENTRIES:
             cache.exact.clear()
@@ -134,4 +154,4 @@ def _launch(fn, grid, device: int, args: tuple, kwargs: dict) -> None:
             return
     kernel = hit.kernel
     kernel.run(grid[0], grid[1], grid[2], driver.active.get_current_stream(device), kernel.function,
-               kernel.packed_metadata, None, None, None, *args, *hit.tail)
+               kernel.packed_metadata, None, None, None, *tensors, *scalars, *hit.tail)
