@@ -12,8 +12,9 @@ Kernels, each one family specialised by ``tl.constexpr`` flags, in launch order:
   GQA group; the program keeps K, V and the dK, dV accumulators on chip while it walks those (head,
   Q tile) pairs. K/V are never expanded. :func:`split_plan` picks the split from the SM count: with few kv
   heads (MQA: 64 KV tiles on 132 SMs) or one KV tile seen by every Q tile (sink tokens, causal starts)
-  a single program per tile would leave SMs idle behind one long program. With learned sinks the first
-  program of each (kv head, head split) also adds up its query heads' dsinks shares.
+  a single program per tile would leave SMs idle behind one long program. With learned sinks the program
+  of the first item (of the first sequence) of each (kv head, head split) also adds up its query heads'
+  dsinks shares, after its own tile.
 * ``_sum_partials``: when work is split, each program writes float32 partials and this kernel adds them,
   per KV tile, in a fixed order. Without a split ``_dkdv`` writes dK, dV directly.
 

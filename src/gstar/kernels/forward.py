@@ -291,9 +291,9 @@ def batch_strides(stride: tuple, varlen: bool) -> tuple:
 
 
 @functools.lru_cache(maxsize=256)
-def _launch_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tuple, v_stride: tuple, dtype: torch.dtype,
-          device: torch.device, has_sinks: bool, pattern: Pattern, scale: float, seqs: int | None,
-          config: tuple | None, precision: str) -> _Plan:
+def _launch_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tuple, v_stride: tuple,
+                 dtype: torch.dtype, device: torch.device, has_sinks: bool, pattern: Pattern, scale: float,
+                 seqs: int | None, config: tuple | None, precision: str) -> _Plan:
     """The launch of one layout (shapes, strides, dtype, pattern; ``seqs``: the number of packed sequences,
     None for a dense batch; ``config``: the caller's overrides as sorted items). A cache hit costs a few
     us, where deriving the launch costs tens at every call, more than a small layer's GPU time."""
@@ -341,9 +341,9 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
     sink term; ``-inf`` (or ``sinks[h]``) for rows that see no key.
     """
     varlen = cu_seqlens is not None
-    plan = _launch_plan(q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, sinks is not None,
-                 pattern, scale, cu_seqlens[0].shape[0] - 1 if varlen else None,
-                 tuple(sorted(config.items())) if config else None, dot_precision(q.dtype))
+    plan = _launch_plan(q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device,
+                        sinks is not None, pattern, scale, cu_seqlens[0].shape[0] - 1 if varlen else None,
+                        tuple(sorted(config.items())) if config else None, dot_precision(q.dtype))
     out = (outputs.empty_packed_like if varlen else outputs.empty_like)(q)         # q's shape
     lse = outputs.empty(plan.lse_shape, dtype=torch.float32, device=q.device)      # (B, Hq, Nq)
     cu_q, cu_k = cu_seqlens if varlen else (lse, lse)  # any pointer when VARLEN is off
