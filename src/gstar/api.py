@@ -155,6 +155,11 @@ def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
     return (out, lse) if return_lse else out
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on the current stream: a capture cannot read data on the host."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _check_cu_seqlens(name: str, cu, device: torch.device):
     _check_tensor(name, cu, 1)
     if cu.dtype != torch.int32:
@@ -197,8 +202,8 @@ def normalize_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
     Returns ``(pattern, scale, backend)``, the pattern built on the longest lengths. The values of
     ``cu_seqlens`` are checked on the host (one device-to-host copy of both, a sync on CUDA) unless
-    ``check_cu_seqlens`` is False or ``torch.compile`` traces, where they are data the graph cannot read:
-    then only their dtype, device and shape are checked.
+    ``check_cu_seqlens`` is False, ``torch.compile`` traces or a CUDA graph is being captured, where they
+    are data the graph cannot read: then only their dtype, device and shape are checked.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t, 3)
@@ -218,7 +223,7 @@ def normalize_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     window, sink_tokens, scale, backend = _check_options(
         q, Hq, D, causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks, scale=scale,
         backend=backend)
-    if check_cu_seqlens and not torch.compiler.is_compiling():
+    if check_cu_seqlens and not (torch.compiler.is_compiling() or _capturing(q.device)):
         check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     lengths = [m if isinstance(m, torch.SymInt) else int(m) for m in (max_seqlen_q, max_seqlen_k)]
     pattern = Pattern.make(*lengths, causal=causal, window=window, sink_tokens=sink_tokens)
@@ -266,9 +271,9 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     Returns ``out`` ``(total_q, Hq, D)`` contiguous in q's dtype, or ``(out, lse)``. Differentiable in q,
     k, v, sinks and the LSE. One kernel launch per pass covers every sequence (the Triton kernels read
-    ``cu_seqlens`` on the device). Outside ``torch.compile`` the values of ``cu_seqlens`` are checked on
-    the host first (one device sync on CUDA) unless ``check_cu_seqlens=False``; inside a compiled graph
-    they are trusted.
+    ``cu_seqlens`` on the device). Outside ``torch.compile`` and CUDA graph capture the values of
+    ``cu_seqlens`` are checked on the host first (one device sync on CUDA) unless
+    ``check_cu_seqlens=False``; inside a compiled or captured graph they are trusted.
     """
     pattern, scale, backend = normalize_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, window=window,
