@@ -80,7 +80,7 @@ CSV_CASE_FIELDS = ("family", "batch", "heads", "kv_heads", "seqlen", "head_dim",
                    "window_right", "sink_tokens", "sinks", "dtype")
 CSV_ROW_FIELDS = ("impl", "status", "reason", "time_ms", "tflops", "peak_mib", "vs_gstar", "max_error",
                   "memory_floor_ms", "compute_floor_ms", "bound", "floor_pct")
-CSV_ENV_FIELDS = ("card", "driver", "cuda", "torch", "triton", "date", "command")
+CSV_ENV_FIELDS = ("card", "driver", "cuda", "torch", "triton", "timing", "date", "command")
 
 
 def write_csv(path: str, rows: list[dict], env: dict, mode: str) -> None:
@@ -126,7 +126,9 @@ def plot(path: str, rows: list[dict], env: dict, mode: str, metric: str = "tflop
         ax.legend(fontsize=8)
     for ax in list(axes.flat)[len(series):]:
         ax.axis("off")
-    fig.suptitle(f"gstar bench, {mode}: {env['card']} (torch {env['torch']}, triton {env['triton']})", fontsize=10)
+    graphs = ", CUDA graph replays" if env.get("timing") == "graph" else ""
+    fig.suptitle(f"gstar bench, {mode}{graphs}: {env['card']} (torch {env['torch']}, triton {env['triton']})",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .cases import Case
-from .measure import is_oom, judge_all, nbytes, peak_bytes, time_ms
+from .measure import captured, is_oom, judge_all, nbytes, peak_bytes, time_ms
 from .peers import Peer
 
 _NO_KERNEL = ("no available kernel", "no viable backend", "not supported", "unsupported")
@@ -41,9 +41,28 @@ def _row(peer: Peer, case: Case, status: str, reason: str | None = None, **measu
     return row
 
 
+def _timed(fn, device: torch.device, timing: str) -> float:
+    """Median ms of ``fn()`` called from Python (``eager``), or of replays of its CUDA graph (``graph``)."""
+    if timing == "eager":
+        return time_ms(fn, device)
+    try:
+        graph = captured(fn, device)
+    except Exception as exc:
+        raise _NotCapturable(str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__)
+    t = time_ms(graph.replay, device)
+    del graph
+    return t
+
+
+class _NotCapturable(Exception):
+    """The implementation's call cannot be captured in a CUDA graph (``--timing graph``)."""
+
+
 def run_row(peer: Peer, case: Case, mode: str, inputs: dict, ref: dict, pt: dict | None,
-            device: torch.device) -> dict:
-    """Check ``peer`` on ``case`` against ``ref`` (with the bar's baseline ``pt``), then time it in ``mode``."""
+            device: torch.device, timing: str = "eager") -> dict:
+    """Check ``peer`` on ``case`` against ``ref`` (with the bar's baseline ``pt``), then time it in ``mode``:
+    ``timing="eager"`` calls it from Python, ``"graph"`` (CUDA only) replays it from a CUDA graph, so that
+    host time drops out (an implementation that cannot be captured shows as n/a)."""
     reason = peer.unavailable(device) or peer.unsupported(case, device, mode)
     if reason:
         return _row(peer, case, "n/a", reason)
@@ -79,10 +98,12 @@ def run_row(peer: Peer, case: Case, mode: str, inputs: dict, ref: dict, pt: dict
         peak = peak_bytes(forward_backward if grads else forward_only, device, held)
         if mode == "bwd":
             out = forward()
-            t = time_ms(lambda: torch.autograd.grad(out, leaves, dout_view, retain_graph=True), device)
+            t = _timed(lambda: torch.autograd.grad(out, leaves, dout_view, retain_graph=True), device, timing)
             del out
         else:
-            t = time_ms(forward_backward if grads else forward_only, device)
+            t = _timed(forward_backward if grads else forward_only, device, timing)
+    except _NotCapturable as exc:
+        return _row(peer, case, "n/a", f"not capturable in a CUDA graph: {exc}")
     except Exception as exc:  # a row's failure is a result, not a crash of the whole benchmark
         msg = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
         if is_oom(exc):

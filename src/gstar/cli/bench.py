@@ -38,6 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="reference shapes of DESIGN.md section 5 (default: gpt-oss)")
     parser.add_argument("--mode", choices=MODES, default="fwd",
                         help="time the forward, the backward alone, or both (default: fwd)")
+    parser.add_argument("--timing", choices=("eager", "graph"), default="eager",
+                        help="eager: time each call made from Python, host time included (default); graph "
+                             "(GPU): time replays of the call captured in a CUDA graph, the kernels alone; an "
+                             "implementation that cannot be captured is n/a, and PyTorch keeps a failed "
+                             "capture's memory, so later rows may find less free memory")
     parser.add_argument("--impls", type=_impl_list, default=list(PEER_NAMES), metavar="A,B,...",
                         help=f"comma-separated subset of: {', '.join(PEER_NAMES)} (default: all)")
     shape = parser.add_argument_group("custom shape (any of these replaces the suite by one case per --seqlen)")
@@ -80,11 +85,11 @@ def _fmt(x, spec):
     return "-" if x is None else format(x, spec)
 
 
-def _table(rows, mode, console):
+def _table(rows, mode, timing, console):
     from rich.table import Table
     has_floor = any(r.get("floor_pct") is not None for r in rows)
     mem_what = "fwd" if mode == "fwd" else "fwd+bwd"
-    t = Table(title=f"gstar bench ({mode})", show_lines=False)
+    t = Table(title=f"gstar bench ({mode}{', CUDA graph replays' if timing == 'graph' else ''})", show_lines=False)
     for col, just in (("case", "left"), ("impl", "left"), ("status", "left"), ("ms (median)", "right"),
                       ("TFLOP/s", "right"), (f"peak MiB ({mem_what})", "right"), ("time / gstar", "right")):
         t.add_column(col, justify=just)
@@ -138,6 +143,9 @@ def run(args) -> int:
 
     console = Console(stderr=True, soft_wrap=True)
     device = torch.device("cuda" if cuda else "cpu")
+    if args.timing == "graph" and not cuda:
+        console.print("[red]gstar bench: --timing graph replays CUDA graphs and needs a GPU")
+        return 2
     try:
         cases = cases_from_args(args, device.type)
     except ValueError as exc:
@@ -151,6 +159,7 @@ def run(args) -> int:
             return 2
     chosen = [p for p in peer_mod.all_peers() if p.name in args.impls]
     env = report.environment(device, modules=[p.module for p in chosen])
+    env["timing"] = args.timing
     if cuda:
         console.print(f"gstar bench on {env['card']} (driver {env['driver']}, CUDA {env['cuda']}, "
                       f"torch {env['torch']}, triton {env['triton']})")
@@ -171,14 +180,14 @@ def run(args) -> int:
             ref, pt = references(case, inputs, grads=args.mode != "fwd")
             for peer in chosen:
                 progress.update(task, description=f"{case.label}: {peer.name}")
-                row = run_row(peer, case, args.mode, inputs, ref, pt, device)
+                row = run_row(peer, case, args.mode, inputs, ref, pt, device, args.timing)
                 if card and row["time_ms"]:
                     _add_floors(row, case, args.mode, card)
                 rows.append(row)
                 progress.advance(task)
             del inputs, ref, pt
     add_ratios(rows)
-    _table(rows, args.mode, Console(width=None if sys.stdout.isatty() else 200))
+    _table(rows, args.mode, args.timing, Console(width=None if sys.stdout.isatty() else 200))
     payload = {"tool": "gstar bench", "suite": None if rows and rows[0]["case"]["family"] == "custom"
                else args.suite, "mode": args.mode, "environment": env, "roofline": card, "rows": rows}
     if args.json:
