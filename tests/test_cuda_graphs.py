@@ -8,28 +8,14 @@ import pytest
 import torch
 
 import gstar
+from gstar.bench import measure
 
 pytestmark = pytest.mark.gpu
 
 
-def _capture(step):
-    """Warm ``step`` up on a side stream (compiles the kernels, fills the plan caches), then capture it:
-    returns the graph and the captured call's outputs (static tensors that each replay rewrites)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = step()
-    return graph, outputs
-
-
 def _replays_like_eager(inputs, step):
     """Capture ``step``, then twice: new values into ``inputs``, replay, compare with an eager call."""
-    graph, captured = _capture(step)
+    graph, captured = measure.captured(step, torch.device("cuda"))
     for _ in range(2):
         with torch.no_grad():
             for t in inputs:

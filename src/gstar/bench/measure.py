@@ -151,11 +151,12 @@ def time_ms(fn, device: torch.device, *, cpu_runs: int = 3) -> float:
     return statistics.median(runs)
 
 
-def captured(fn, device: torch.device) -> "torch.cuda.CUDAGraph":
-    """``fn()`` captured in a CUDA graph, after two warm-up calls on a side stream (compilation, caches,
-    the allocator: capture forbids host syncs and host-to-device copies). ``graph.replay()`` reruns its
-    kernels with no host work; the graph keeps the call's outputs and memory until it is dropped. Raises
-    whatever the capture raises for an implementation that cannot be captured."""
+def captured(fn, device: torch.device) -> tuple:
+    """``(graph, outputs)``: ``fn()`` captured in a CUDA graph, after two warm-up calls on a side stream
+    (compilation, caches, the allocator: capture forbids host syncs and host-to-device copies), and what the
+    captured call returned: static tensors that each ``graph.replay()`` rewrites, with no host work. The
+    graph keeps its memory until it is dropped. Raises whatever the capture raises for an implementation
+    that cannot be captured."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -164,8 +165,8 @@ def captured(fn, device: torch.device) -> "torch.cuda.CUDAGraph":
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        fn()
-    return graph
+        outputs = fn()
+    return graph, outputs
 
 
 @contextlib.contextmanager

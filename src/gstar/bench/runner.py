@@ -46,7 +46,7 @@ def _timed(fn, device: torch.device, timing: str) -> float:
     if timing == "eager":
         return time_ms(fn, device)
     try:
-        graph = captured(fn, device)
+        graph, _ = captured(fn, device)
     except Exception as exc:
         raise _NotCapturable(str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__)
     t = time_ms(graph.replay, device)
