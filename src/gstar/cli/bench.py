@@ -5,8 +5,8 @@ Suites (DESIGN.md section 5): ``gpt-oss``, ``long``, ``fa``, ``stages``, ``all``
 and cuDNN, compiled FlexAttention, and FlashAttention-4 / fla when importable. Every row is checked against
 the naive oracle with the correctness bar before it is timed; a peer that cannot express a case shows as
 ``n/a (reason)``. Times are of calls made from Python (host time included), or with ``--timing graph`` of
-replays of each call captured in a CUDA graph (the kernels alone). On a CPU-only machine it compares gstar's tiled PyTorch path with eager attention at
-reduced shapes (kernel timings need a GPU).
+replays of each call captured in a CUDA graph (the kernels alone). On a CPU-only machine it compares
+gstar's tiled PyTorch path with eager attention at reduced shapes (kernel timings need a GPU).
 
 This module is imported while the parser is built: it must not import triton or ``gstar.kernels``.
 """
