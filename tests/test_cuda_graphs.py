@@ -13,9 +13,10 @@ from gstar.bench import measure
 pytestmark = pytest.mark.gpu
 
 
-def _replays_like_eager(inputs, step):
-    """Capture ``step``, then twice: new values into ``inputs``, replay, compare with an eager call."""
-    graph, captured = measure.captured(step, torch.device("cuda"))
+def _replays_like_eager(inputs, step, stream=None):
+    """Capture ``step`` (on ``stream``), then twice: new values into ``inputs``, replay, compare with an eager
+    call."""
+    graph, captured = measure.captured(step, torch.device("cuda"), stream)
     for _ in range(2):
         with torch.no_grad():
             for t in inputs:
@@ -45,6 +46,25 @@ def test_captured_forward_backward(layout, kwargs):
         return (out, *torch.autograd.grad(out, (q, k, v, sinks), dout))
 
     _replays_like_eager((q, k, v, sinks, dout), step)
+
+
+def test_captured_backward_alone():
+    """A backward captured without its forward (``gstar bench --mode bwd --timing graph``): autograd runs the
+    backward on the forward's stream, so the forward runs on the capture stream first; the replays must then
+    rewrite the gradients for new upstream values (kernels left outside the capture would not)."""
+    q, k, v = (torch.randn(1, h, 333, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for h in (8, 2, 2))
+    sinks = torch.randn(8, device="cuda", requires_grad=True)
+    dout = torch.randn(1, 8, 333, 64, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out = gstar.flash_attention(q, k, v, sinks=sinks, causal=True, window=(63, 0))
+
+    def step():
+        return torch.autograd.grad(out, (q, k, v, sinks), dout, retain_graph=True)
+
+    _replays_like_eager((dout,), step, stream)
 
 
 def test_captured_decode_forward():

@@ -151,20 +151,24 @@ def time_ms(fn, device: torch.device, *, cpu_runs: int = 3) -> float:
     return statistics.median(runs)
 
 
-def captured(fn, device: torch.device) -> tuple:
-    """``(graph, outputs)``: ``fn()`` captured in a CUDA graph, after two warm-up calls on a side stream
-    (compilation, caches, the allocator: capture forbids host syncs and host-to-device copies), and what the
-    captured call returned: static tensors that each ``graph.replay()`` rewrites, with no host work. The
-    graph keeps its memory until it is dropped. Raises whatever the capture raises for an implementation
-    that cannot be captured."""
-    side = torch.cuda.Stream(device)
+def captured(fn, device: torch.device, stream: torch.cuda.Stream | None = None) -> tuple:
+    """``(graph, outputs)``: ``fn()`` captured in a CUDA graph on ``stream`` (a new side stream by default),
+    after two warm-up calls on it (compilation, caches, the allocator: capture forbids host syncs and
+    host-to-device copies), and what the captured call returned: static tensors that each
+    ``graph.replay()`` rewrites, with no host work. The graph keeps its memory until it is dropped. Raises
+    whatever the capture raises for an implementation that cannot be captured.
+
+    Autograd runs a backward op on the stream its forward ran on, so a backward captured without its
+    forward needs that forward to have run on ``stream``: then its kernels land on the capturing stream.
+    """
+    side = stream or torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for _ in range(2):
             fn()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+    with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
         outputs = fn()
     return graph, outputs
 

@@ -41,12 +41,13 @@ def _row(peer: Peer, case: Case, status: str, reason: str | None = None, **measu
     return row
 
 
-def _timed(fn, device: torch.device, timing: str) -> float:
-    """Median ms of ``fn()`` called from Python (``eager``), or of replays of its CUDA graph (``graph``)."""
+def _timed(fn, device: torch.device, timing: str, stream: torch.cuda.Stream | None = None) -> float:
+    """Median ms of ``fn()`` called from Python (``eager``), or of replays of its CUDA graph (``graph``),
+    captured on ``stream`` (see :func:`captured`)."""
     if timing == "eager":
         return time_ms(fn, device)
     try:
-        graph, _ = captured(fn, device)
+        graph, _ = captured(fn, device, stream)
     except Exception as exc:
         raise _NotCapturable(str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__)
     t = time_ms(graph.replay, device)
@@ -97,8 +98,14 @@ def run_row(peer: Peer, case: Case, mode: str, inputs: dict, ref: dict, pt: dict
         held = nbytes(*leaves) + (nbytes(dout_view) if grads else 0)
         peak = peak_bytes(forward_backward if grads else forward_only, device, held)
         if mode == "bwd":
-            out = forward()
-            t = _timed(lambda: torch.autograd.grad(out, leaves, dout_view, retain_graph=True), device, timing)
+            # a captured backward needs its forward on the capture stream (autograd's stream rule)
+            stream = torch.cuda.Stream(device) if timing == "graph" else None
+            if stream is not None:
+                stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                out = forward()
+            t = _timed(lambda: torch.autograd.grad(out, leaves, dout_view, retain_graph=True), device, timing,
+                       stream)
             del out
         else:
             t = _timed(forward_backward if grads else forward_only, device, timing)
