@@ -173,6 +173,18 @@ def test_graph_timing(mode):
         assert row["status"] == "ok" and row["time_ms"] > 0, row
 
 
+def test_a_failed_capture_is_flagged_once(monkeypatch, capsys):
+    """A row that failed its CUDA graph capture gets a note (once) that later rows may lack memory."""
+    from gstar.bench import runner
+
+    def fake_row(peer, case, mode, inputs, ref, pt, device, timing):
+        return runner._row(peer, case, "n/a", f"{runner.NOT_CAPTURABLE}: capture failed")
+
+    monkeypatch.setattr(runner, "run_row", fake_row)
+    assert main(["bench", "--seqlen", "40", "48", "--heads", "2", "--head-dim", "16", "--impls", "gstar,eager"]) == 0
+    assert capsys.readouterr().err.count("failed a CUDA graph capture") == 1
+
+
 # A peer that reads a value on the host in its forward and in its backward (a sync each). Each mode runs in a
 # process of its own: after a failed capture PyTorch's default CUDA generator refuses to draw numbers and the
 # failed capture's memory is not returned, for the rest of the process (torch 2.11).
@@ -224,7 +236,21 @@ def test_eager_is_skipped_when_it_would_not_fit():
     assert Eager().unsupported(huge, torch.device("cpu"), "fwd").startswith("OOM-risk")
 
 
-def test_json_csv_plot(tmp_path):
+def test_eager_declines_a_capture_it_would_not_fit(monkeypatch):
+    """A capture needs about twice the eager call's memory (a failed one keeps it): the bar doubles."""
+    from gstar.bench import peers
+    case = Case("t", 1, 4, 4, 1000, 16)
+    need = 10 * 4 * 1000 * 1001 * 2  # fwd+bwd bytes of the eager estimate
+    monkeypatch.setattr(peers, "_free_bytes", lambda device: int(need / 0.6) + 1)
+    eager, device = Eager(), torch.device("cpu")
+    assert eager.unsupported(case, device, "fwd+bwd") is None
+    assert eager.uncapturable(case, device, "fwd+bwd").startswith("OOM-risk")
+    row = run_row(eager, case, "fwd+bwd", {}, {}, None, device, "graph")
+    assert row["status"] == "n/a" and row["reason"].endswith("in a CUDA graph")
+    assert Gstar().uncapturable(case, device, "fwd+bwd") is None
+
+
+def test_json_csv_plot(tmp_path, capsys):
     paths = {k: tmp_path / f"bench.{k}" for k in ("json", "csv", "png")}
     argv = ["bench", "--batch", "1", "--heads", "2", "--kv-heads", "1", "--seqlen", "40", "48", "--head-dim", "16",
             "--causal", "--window", "7", "0", "--sink-tokens", "2", "--sinks", "--dtype", "float32",
@@ -233,6 +259,10 @@ def test_json_csv_plot(tmp_path):
     assert main(argv) == 0
     data = json.loads(paths["json"].read_text())
     assert data["tool"] == "gstar bench" and data["mode"] == "fwd+bwd" and data["suite"] is None
+    # stderr is no terminal here, as in a log: one progress line per row, in order
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
+    assert [line.split("]")[0] for line in progress] == [f"[{i}/8" for i in range(1, 9)]
+    assert "gstar ok" in progress[0] and "ms" in progress[0]
     env = data["environment"]
     for key in ("device", "card", "driver", "cuda", "torch", "triton", "python", "gstar", "peers", "date", "command"):
         assert key in env

@@ -64,6 +64,11 @@ class Peer:
         """Why this implementation cannot express ``case``, or None."""
         return None
 
+    def uncapturable(self, case: Case, device: torch.device, mode: str) -> str | None:
+        """Why ``case`` should not be captured in a CUDA graph (``--timing graph``), or None. A capture that
+        fails keeps its memory for the rest of the process (torch 2.11), so a likely failure is declined."""
+        return None
+
     def build(self, case: Case, device: torch.device):
         """Setup outside the timed region; returns ``fn(q, k, v, sinks) -> out``."""
         raise NotImplementedError
@@ -87,11 +92,20 @@ class Eager(Peer):
     name = "eager"
 
     def unsupported(self, case, device, mode):
+        return self._oom_risk(case, device, mode, 1)
+
+    def uncapturable(self, case, device, mode):
+        # a capture keeps intermediates that an eager call frees and reuses: the GPT-OSS window fwd+bwd
+        # capture needed 1.5-1.7x the estimate below (H100, benchmarks/results/graph-capture-memory-*.log)
+        return self._oom_risk(case, device, mode, 2)
+
+    @staticmethod
+    def _oom_risk(case, device, mode, factor: int) -> str | None:
         # scores, masked, + sink column, - max, softmax; the backward keeps about as many again
-        buffers = 5 if mode == "fwd" else 10
+        buffers = (5 if mode == "fwd" else 10) * factor
         need = buffers * case.batch * case.heads * case.seqlen * (case.seqlen + 1) * case.torch_dtype.itemsize
         if need > 0.6 * _free_bytes(device):
-            return f"OOM-risk: ~{need / 2**30:.0f} GiB"
+            return f"OOM-risk: ~{need / 2**30:.0f} GiB" + (" in a CUDA graph" if factor > 1 else "")
         return None
 
     def build(self, case, device):

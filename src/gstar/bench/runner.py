@@ -55,6 +55,9 @@ def _timed(fn, device: torch.device, timing: str, stream: torch.cuda.Stream | No
     return t
 
 
+NOT_CAPTURABLE = "not capturable in a CUDA graph"  # the reason's start in an n/a row
+
+
 class _NotCapturable(Exception):
     """The implementation's call cannot be captured in a CUDA graph (``--timing graph``)."""
 
@@ -64,7 +67,8 @@ def run_row(peer: Peer, case: Case, mode: str, inputs: dict, ref: dict, pt: dict
     """Check ``peer`` on ``case`` against ``ref`` (with the bar's baseline ``pt``), then time it in ``mode``:
     ``timing="eager"`` calls it from Python, ``"graph"`` (CUDA only) replays it from a CUDA graph, so that
     host time drops out (an implementation that cannot be captured shows as n/a)."""
-    reason = peer.unavailable(device) or peer.unsupported(case, device, mode)
+    reason = (peer.unavailable(device) or peer.unsupported(case, device, mode)
+              or (peer.uncapturable(case, device, mode) if timing == "graph" else None))
     if reason:
         return _row(peer, case, "n/a", reason)
     grads = mode != "fwd"
@@ -110,7 +114,7 @@ def run_row(peer: Peer, case: Case, mode: str, inputs: dict, ref: dict, pt: dict
         else:
             t = _timed(forward_backward if grads else forward_only, device, timing)
     except _NotCapturable as exc:
-        return _row(peer, case, "n/a", f"not capturable in a CUDA graph: {exc}")
+        return _row(peer, case, "n/a", f"{NOT_CAPTURABLE}: {exc}")
     except Exception as exc:  # a row's failure is a result, not a crash of the whole benchmark
         msg = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
         if is_oom(exc):

@@ -140,7 +140,7 @@ def run(args) -> int:
     from ..bench import peers as peer_mod
     from ..bench import report
     from ..bench.measure import make_inputs, references
-    from ..bench.runner import add_ratios, run_row
+    from ..bench.runner import NOT_CAPTURABLE, add_ratios, run_row
 
     console = Console(stderr=True, soft_wrap=True)
     device = torch.device("cuda" if cuda else "cpu")
@@ -171,7 +171,7 @@ def run(args) -> int:
     card = load(args.roofline) if args.roofline else (load() if cuda else None)
     if cuda and card is None:
         console.print("no roofline stored for this card (run `gstar roofline`): floors not shown")
-    rows = []
+    rows, warned = [], False
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
         task = progress.add_task("bench", total=len(cases) * len(chosen))
@@ -186,6 +186,15 @@ def run(args) -> int:
                     _add_floors(row, case, args.mode, card)
                 rows.append(row)
                 progress.advance(task)
+                if (row["reason"] or "").startswith(NOT_CAPTURABLE) and not warned:
+                    warned = True
+                    console.print(f"[yellow]{peer.name} failed a CUDA graph capture: in torch 2.11 a failed "
+                                  "capture can keep GPU memory for the rest of the process, so later rows may "
+                                  "run out of memory; time it in a `gstar bench --impls` call of its own")
+                if not console.is_terminal:  # logs get a line per row where the live bar cannot draw
+                    done = f"{row['time_ms']:.3f} ms" if row["time_ms"] else row["reason"] or ""
+                    console.print(f"[{len(rows)}/{len(cases) * len(chosen)}] {case.label}: {peer.name} "
+                                  f"{row['status']} {done}", highlight=False, markup=False)
             del inputs, ref, pt
     add_ratios(rows)
     _table(rows, args.mode, args.timing, Console(width=None if sys.stdout.isatty() else 200))
