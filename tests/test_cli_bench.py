@@ -118,6 +118,7 @@ def test_oracle_in_pieces_equals_one_call(monkeypatch, pattern):
     case = Case("t", 2, 4, 2, 37, 16, sinks=True, dtype="float32", **pattern)
     inputs = measure.make_inputs(case, "cpu")
     monkeypatch.setattr(measure, "_budget", lambda device: 2 * 37 * 4 * 8 * 5)  # 5 rows per piece
+    monkeypatch.setattr(measure, "MIN_PIECE_ROWS", 1)
     got = measure.naive_reference(case, inputs, torch.float64, grads=True)
     leaves = [inputs[n].double().requires_grad_() for n in ("q", "k", "v", "sinks")]
     out, _ = naive_attention(*leaves[:3], sinks=leaves[3], causal=case.causal, window=case.window,
@@ -125,6 +126,21 @@ def test_oracle_in_pieces_equals_one_call(monkeypatch, pattern):
     grads = torch.autograd.grad(out, leaves, inputs["dout"].double())
     for name, want in zip(("out", "dq", "dk", "dv", "dsinks"), (out,) + grads):
         torch.testing.assert_close(got[name], want.detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_oracle_refuses_pieces_too_thin(monkeypatch, capsys):
+    """Too little free memory for pieces of MIN_PIECE_ROWS rows: the oracle says so at once instead of taking
+    hours, and the bench shows the case's rows as n/a and goes on to the next case."""
+    case = Case("t", 1, 4, 2, 300, 16)
+    monkeypatch.setattr(measure, "_budget", lambda device: 2 * 300 * 4 * 8 * 63)  # 63 rows per piece
+    with pytest.raises(MemoryError, match="pieces of 64 rows"):
+        measure.naive_reference(case, measure.make_inputs(case, "cpu"), torch.float64, grads=False)
+    argv = ["bench", "--heads", "4", "--kv-heads", "2", "--seqlen", "300", "40", "--head-dim", "16",
+            "--impls", "gstar,eager", "--mode", "fwd"]
+    assert main(argv) == 0
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
+    assert all("n/a no reference: the oracle needs" in line for line in progress[:2]), progress
+    assert all(" ok " in line for line in progress[2:]) and len(progress) == 4, progress
 
 
 class _Wrong(Peer):

@@ -25,6 +25,7 @@ from ..reference import naive_attention
 from .cases import Case
 
 FLOAT32_BAR = 1e-4  # DESIGN.md section 4: float32 inputs must reach this relative error
+MIN_PIECE_ROWS = 64  # the oracle's smallest piece of query rows
 
 
 def make_inputs(case: Case, device, *, seed: int = 0) -> dict:
@@ -58,7 +59,11 @@ def naive_reference(case: Case, inputs: dict, dtype: torch.dtype, *, grads: bool
     group = Hq // Hkv
     p = case.pattern
     # ~8 float32 buffers of Nk keys per (row, head) while the score matrix and its gradient are alive
-    rows_fit = max(1, _budget(q.device) // (group * Nk * 4 * 8))
+    row_bytes = group * Nk * 4 * 8
+    rows_fit = _budget(q.device) // row_bytes
+    if rows_fit < min(MIN_PIECE_ROWS, Nq):  # thinner pieces take hours (one autograd call each)
+        raise MemoryError(f"the oracle needs ~{4 * min(MIN_PIECE_ROWS, Nq) * row_bytes / 2**30:.1f} GiB of free "
+                          f"{q.device.type} memory for pieces of {min(MIN_PIECE_ROWS, Nq)} rows")
     kv_step = max(1, min(Hkv, rows_fit // Nq))
     # A block of rows is exact with the keys up to its last row's position when no key lies right of p(i)
     # (right bound 0), or with all keys when nothing depends on position (no bound at all); other patterns

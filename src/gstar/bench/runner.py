@@ -41,6 +41,17 @@ def _row(peer: Peer, case: Case, status: str, reason: str | None = None, **measu
     return row
 
 
+def first_line(exc: BaseException, width: int) -> str:
+    """An exception's first line, at most ``width`` characters (its type's name if it has no message)."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:width] if text else type(exc).__name__
+
+
+def not_measured(peer: Peer, case: Case, reason: str) -> dict:
+    """The n/a row of ``peer`` on ``case`` when nothing could be measured (e.g. the case has no oracle)."""
+    return _row(peer, case, "n/a", reason)
+
+
 def _timed(fn, device: torch.device, timing: str, stream: torch.cuda.Stream | None = None) -> float:
     """Median ms of ``fn()`` called from Python (``eager``), or of replays of its CUDA graph (``graph``),
     captured on ``stream`` (see :func:`captured`)."""
@@ -49,7 +60,7 @@ def _timed(fn, device: torch.device, timing: str, stream: torch.cuda.Stream | No
     try:
         graph, _ = captured(fn, device, stream)
     except Exception as exc:
-        raise _NotCapturable(str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__)
+        raise _NotCapturable(first_line(exc, 120))
     t = time_ms(graph.replay, device)
     del graph
     return t
@@ -116,7 +127,7 @@ def run_row(peer: Peer, case: Case, mode: str, inputs: dict, ref: dict, pt: dict
     except _NotCapturable as exc:
         return _row(peer, case, "n/a", f"{NOT_CAPTURABLE}: {exc}")
     except Exception as exc:  # a row's failure is a result, not a crash of the whole benchmark
-        msg = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        msg = first_line(exc, 160)
         if is_oom(exc):
             return _row(peer, case, "OOM", msg)
         if any(s in msg.lower() for s in _NO_KERNEL):

@@ -140,7 +140,7 @@ def run(args) -> int:
     from ..bench import peers as peer_mod
     from ..bench import report
     from ..bench.measure import make_inputs, references
-    from ..bench.runner import NOT_CAPTURABLE, add_ratios, run_row
+    from ..bench.runner import NOT_CAPTURABLE, add_ratios, first_line, not_measured, run_row
 
     console = Console(stderr=True, soft_wrap=True)
     device = torch.device("cuda" if cuda else "cpu")
@@ -178,10 +178,16 @@ def run(args) -> int:
         for case in cases:
             progress.update(task, description=f"{case.label}: reference")
             inputs = make_inputs(case, device, seed=args.seed)
-            ref, pt = references(case, inputs, grads=args.mode != "fwd")
+            try:
+                ref, pt = references(case, inputs, grads=args.mode != "fwd")
+                missing = None
+            except Exception as exc:  # e.g. too little free memory for the oracle: the case's rows say why
+                ref = pt = None
+                missing = f"no reference: {first_line(exc, 160)}"
             for peer in chosen:
                 progress.update(task, description=f"{case.label}: {peer.name}")
-                row = run_row(peer, case, args.mode, inputs, ref, pt, device, args.timing)
+                row = (not_measured(peer, case, missing) if missing
+                       else run_row(peer, case, args.mode, inputs, ref, pt, device, args.timing))
                 if card and row["time_ms"]:
                     _add_floors(row, case, args.mode, card)
                 rows.append(row)
