@@ -275,6 +275,7 @@ def test_json_csv_plot(tmp_path, capsys):
     assert main(argv) == 0
     data = json.loads(paths["json"].read_text())
     assert data["tool"] == "gstar bench" and data["mode"] == "fwd+bwd" and data["suite"] is None
+    assert data["complete"] is True
     # stderr is no terminal here, as in a log: one progress line per row, in order
     progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
     assert [line.split("]")[0] for line in progress] == [f"[{i}/8" for i in range(1, 9)]
@@ -300,6 +301,28 @@ def test_json_csv_plot(tmp_path, capsys):
         lines = list(csv.DictReader(f))
     assert len(lines) == len(data["rows"]) and {"impl", "time_ms", "card", "torch", "triton"} <= set(lines[0])
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_run_cut_short_keeps_its_finished_cases(tmp_path, monkeypatch):
+    """The JSON is rewritten after every case: a run stopped in its second case keeps the first's rows."""
+    from gstar.bench import runner
+    real = runner.run_row
+
+    def stop_at_48(peer, case, *args):
+        if case.seqlen == 48:
+            raise KeyboardInterrupt
+        return real(peer, case, *args)
+
+    monkeypatch.setattr(runner, "run_row", stop_at_48)
+    path = tmp_path / "bench.json"
+    with pytest.raises(KeyboardInterrupt):
+        main(["bench", "--heads", "2", "--seqlen", "40", "48", "--head-dim", "16", "--impls", "gstar,eager",
+              "--json", str(path)])
+    data = json.loads(path.read_text())
+    assert data["complete"] is False
+    assert [(r["case"]["seqlen"], r["impl"], r["status"]) for r in data["rows"]] == [(40, "gstar", "ok"),
+                                                                                    (40, "eager", "ok")]
+    assert data["rows"][1]["vs_gstar"] > 0
 
 
 def test_roofline_floors(tmp_path):

@@ -172,6 +172,14 @@ def run(args) -> int:
     if cuda and card is None:
         console.print("no roofline stored for this card (run `gstar roofline`): floors not shown")
     rows, warned = [], False
+
+    def save_json(complete: bool) -> None:
+        # also after every case, so that a run cut short (a time limit, Ctrl-C) keeps what it measured
+        add_ratios(rows)
+        report.write_json(args.json, {
+            "tool": "gstar bench", "suite": None if rows and rows[0]["case"]["family"] == "custom" else args.suite,
+            "mode": args.mode, "complete": complete, "environment": env, "roofline": card, "rows": rows})
+
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
         task = progress.add_task("bench", total=len(cases) * len(chosen))
@@ -202,12 +210,12 @@ def run(args) -> int:
                     console.print(f"[{len(rows)}/{len(cases) * len(chosen)}] {case.label}: {peer.name} "
                                   f"{row['status']} {done}", highlight=False, markup=False)
             del inputs, ref, pt
+            if args.json:
+                save_json(complete=False)
     add_ratios(rows)
     _table(rows, args.mode, args.timing, Console(width=None if sys.stdout.isatty() else 200))
-    payload = {"tool": "gstar bench", "suite": None if rows and rows[0]["case"]["family"] == "custom"
-               else args.suite, "mode": args.mode, "environment": env, "roofline": card, "rows": rows}
     if args.json:
-        report.write_json(args.json, payload)
+        save_json(complete=True)
     if args.csv:
         report.write_csv(args.csv, rows, env, args.mode)
     if args.plot:
