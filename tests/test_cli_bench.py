@@ -133,7 +133,7 @@ def test_oracle_refuses_pieces_too_thin(monkeypatch, capsys):
     hours, and the bench shows the case's rows as n/a and goes on to the next case."""
     case = Case("t", 1, 4, 2, 300, 16)
     monkeypatch.setattr(measure, "_budget", lambda device: 2 * 300 * 4 * 8 * 63)  # 63 rows per piece
-    with pytest.raises(MemoryError, match="pieces of 64 rows"):
+    with pytest.raises(MemoryError, match="pieces of 64 rows, over its budget"):
         measure.naive_reference(case, measure.make_inputs(case, "cpu"), torch.float64, grads=False)
     argv = ["bench", "--heads", "4", "--kv-heads", "2", "--seqlen", "300", "40", "--head-dim", "16",
             "--impls", "gstar,eager", "--mode", "fwd"]

@@ -42,7 +42,11 @@ def make_inputs(case: Case, device, *, seed: int = 0) -> dict:
             "sinks": rand(Hq) if case.sinks else None, "dout": rand(B, Hq, N, D).to(dt)}
 
 
+_BUDGET_RULE = "a quarter of the free GPU memory, at most 4 GiB; 512 MiB on CPU"
+
+
 def _budget(device: torch.device) -> int:
+    """Bytes the oracle may hold at once: _BUDGET_RULE."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return min(4 << 30, free // 4)
@@ -60,10 +64,11 @@ def naive_reference(case: Case, inputs: dict, dtype: torch.dtype, *, grads: bool
     p = case.pattern
     # ~8 float32 buffers of Nk keys per (row, head) while the score matrix and its gradient are alive
     row_bytes = group * Nk * 4 * 8
-    rows_fit = _budget(q.device) // row_bytes
-    if rows_fit < min(MIN_PIECE_ROWS, Nq):  # thinner pieces take hours (one autograd call each)
-        raise MemoryError(f"the oracle needs ~{4 * min(MIN_PIECE_ROWS, Nq) * row_bytes / 2**30:.1f} GiB of free "
-                          f"{q.device.type} memory for pieces of {min(MIN_PIECE_ROWS, Nq)} rows")
+    budget, min_rows = _budget(q.device), min(MIN_PIECE_ROWS, Nq)
+    rows_fit = budget // row_bytes
+    if rows_fit < min_rows:  # thinner pieces take hours (one autograd call each)
+        raise MemoryError(f"the oracle needs {min_rows * row_bytes / 2**30:.2f} GiB for pieces of {min_rows} "
+                          f"rows, over its budget of {budget / 2**30:.2f} GiB ({_BUDGET_RULE})")
     kv_step = max(1, min(Hkv, rows_fit // Nq))
     # A block of rows is exact with the keys up to its last row's position when no key lies right of p(i)
     # (right bound 0), or with all keys when nothing depends on position (no bound at all); other patterns
