@@ -50,14 +50,25 @@ _FORWARD_INTERPRETER = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stage
 # in the softmax instead of a multiply and a subtract.
 # PACK_GQA: query heads of one GQA group per tile, so each K/V block is loaded once for the whole pack;
 # each head keeps at least _PACK_MIN_ROWS positions of the tile. TILES_FASTEST: the grid's fastest axis
-# walks Q tiles instead of heads. FLAT (narrow windows only): one masked loop over the band instead of
-# three short ones, each of which fills and drains the software pipeline. HALVES (a column of the tables):
-# two softmax states per tile, so that one half's softmax overlaps the other half's products.
+# walks Q tiles instead of heads (see _tiles_fastest). FLAT (narrow windows only): one masked loop over the
+# band instead of three short ones, each of which fills and drains the software pipeline. HALVES (a column
+# of the tables): two softmax states per tile, so that one half's softmax overlaps the other half's products.
 _FORWARD_FOLD_SCALE = True
 _FORWARD_PACK_GQA = 8
 _PACK_MIN_ROWS = 16
-_FORWARD_TILES_FASTEST = False
 _FORWARD_FLAT_NARROW = True
+
+
+def _tiles_fastest(pattern: Pattern) -> bool:
+    """Whether the forward's grid walks Q tiles fastest: only without any mask bound. There every tile
+    reads all of its head's K/V, so the programs running together should be one head's tiles, which
+    share that K/V in L2; with heads fastest they span every head (fa D128 full: 16 heads of 4 MB of K/V
+    against a 50 MB L2). H100, eleventh session (``results/tiles-fastest-full-nvidia-h100.log``): fa D128
+    full 4.04 -> 3.92 and 4.07 -> 4.01 ms in two runs, D64 full 1.41 -> 1.35 (64 heads) and 1.33 -> 1.31
+    (GQA 64/8), head dim 16 even. Under a causal mask or a window the tiles do unequal work, and heads
+    fastest with tiles last to first starts the longest first (fa D128 causal: tiles fastest 2.18 -> 2.23
+    ms; D64 causal at 8k and 32k, eighth session: no change)."""
+    return pattern.left < 0 and pattern.right < 0
 
 
 def _band_width(pattern: Pattern) -> int | None:
@@ -85,7 +96,7 @@ def forward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device, 
     """
     if torch.device(device).type != "cuda":
         return dict(_FORWARD_INTERPRETER, FOLD_SCALE=_FORWARD_FOLD_SCALE, PACK_GQA=1,
-                    TILES_FASTEST=_FORWARD_TILES_FASTEST, FLAT=False)
+                    TILES_FASTEST=_tiles_fastest(pattern), FLAT=False)
     table = _FORWARD_FP32 if dtype == torch.float32 else _FORWARD_16BIT
     block_m, block_n, num_warps, num_stages, halves = next(row[1:] for row in table if head_dim <= row[0])
     band = _band_width(pattern)
@@ -109,7 +120,7 @@ def forward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device, 
     if pattern.nq < _PACK_MIN_ROWS:
         block_m = max(16, min(block_m, pack * min_rows))  # tl.dot needs 16 rows
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages,
-            "FOLD_SCALE": _FORWARD_FOLD_SCALE, "PACK_GQA": pack, "TILES_FASTEST": _FORWARD_TILES_FASTEST,
+            "FOLD_SCALE": _FORWARD_FOLD_SCALE, "PACK_GQA": pack, "TILES_FASTEST": _tiles_fastest(pattern),
             "FLAT": narrow and _FORWARD_FLAT_NARROW, "HALVES": halves}
 
 
