@@ -201,6 +201,20 @@ def test_cuda_config_narrow_window(D, group, tile, monkeypatch):
     assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["PACK_GQA"]) == tile and cfg["FLAT"]
 
 
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+@pytest.mark.parametrize("causal,window,tiles_fastest", [
+    (False, (-1, -1), True), (True, (-1, -1), False), (False, (127, 0), False), (False, (-1, 3), False),
+    (False, (5, -1), False),
+])
+def test_config_tiles_fastest_without_mask_bounds(device_type, causal, window, tiles_fastest, monkeypatch):
+    """Full attention walks one head's Q tiles side by side (they share its K/V in L2); any bound keeps heads
+    fastest, with the longest causal tiles first. The interpreter takes the same grid order as the GPU."""
+    monkeypatch.setattr(configs, "_major", lambda device: 9)
+    pattern = Pattern.make(4096, 4096, causal=causal, window=window)
+    for D in (16, 64, 128):
+        assert forward_config(D, torch.bfloat16, pattern, device_type, group=8)["TILES_FASTEST"] == tiles_fastest
+
+
 @pytest.mark.parametrize("nq", [1, 3, 33, 4096])
 @pytest.mark.parametrize("group", [1, 2, 6, 8, 16])
 @pytest.mark.parametrize("D,window", [(16, (-1, -1)), (64, (127, 0)), (128, (-1, -1)), (256, (-1, -1))])
