@@ -205,8 +205,8 @@ def _forward_kernel(
     that one half's softmax overlaps the other half's products (BLOCK_M // 2 must still fill the MMA).
     """
     ROWS: tl.constexpr = BLOCK_M // PACK
-    # Heads vary fastest, so the query heads of a GQA group run side by side and share K/V through L2
-    # (or tiles, with TILES_FASTEST, so that programs running together read different K/V blocks);
+    # Heads vary fastest, so the query heads of a GQA group run side by side and share K/V through L2, or
+    # with TILES_FASTEST (full attention) one head's tiles do, each of which reads all of that head's K/V;
     # tiles run last to first, so under a causal mask the longest rows start first and short ones fill in.
     HEAD_AXIS: tl.constexpr = 1 if TILES_FASTEST else 0
     h0 = tl.program_id(HEAD_AXIS) * PACK  # first query head of this tile
