@@ -1,4 +1,4 @@
-"""gstar.flash_attention's public surface: every bad input of DESIGN.md section 2 raises the documented
+"""gstar.flash_attention's public surface: every bad input of docs/design.md section 2 raises the documented
 error naming the argument, empty inputs return empty results, and the output follows q's layout."""
 
 import math

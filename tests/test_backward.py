@@ -1,10 +1,10 @@
 """The Triton backward (dQ, dK, dV, dsinks, and the LSE gradient) against naive attention's autograd.
 
 CPU tier (Triton interpreter): float32 with IEEE dots must reach relative error < 1e-4 on every gradient;
-float16 must stay within 3x the naive float16 implementation's error (DESIGN.md section 4). The kernel is
+float16 must stay within 3x the naive float16 implementation's error (docs/design.md section 4). The kernel is
 fed (out, lse) from the float64 oracle, and separately run end to end behind the forward kernel through
 ``gstar.flash_attention(backend="triton")``. GPU tier (``@pytest.mark.gpu``): bfloat16/float16 at the
-shapes of DESIGN.md section 4 against float32 naive attention on the GPU (the stage-9 row takes the split
+shapes of docs/design.md section 4 against float32 naive attention on the GPU (the stage-9 row takes the split
 dK/dV path; another test forces splits and both loop forms), bitwise determinism over 20 calls (split and unsplit), and forward + backward peak memory
 linear in N. The split dK/dV path (float32 partials summed in a fixed order) and the flat loops are forced
 on CPU through ``BackwardConfig(head_splits=, q_chunk=, flat=)``.
@@ -96,7 +96,7 @@ def _check_fp32(grads, ref):
 
 
 def _check_bar(grads, ref, pt):
-    """The 3x gradient bar of DESIGN.md section 4."""
+    """The 3x gradient bar of docs/design.md section 4."""
     for name, g, r, p in zip(GRADS, grads, ref, pt):
         if g is not None:
             v = verdict(name, g, r, p, factor=3.0)

@@ -1,8 +1,8 @@
-"""The Triton forward kernel against the naive oracle (DESIGN.md section 4).
+"""The Triton forward kernel against the naive oracle (docs/design.md section 4).
 
 CPU tier (Triton interpreter): float32 with IEEE dots must reach relative error < 1e-4; float16 must stay
 within 2x the naive float16 implementation's error. GPU tier (``@pytest.mark.gpu``): bfloat16 and float16
-over the shapes of DESIGN.md section 4, with the float32 naive implementation on the GPU as the oracle.
+over the shapes of docs/design.md section 4, with the float32 naive implementation on the GPU as the oracle.
 """
 
 import pytest
@@ -57,7 +57,7 @@ def _check_fp32(q, k, v, sinks=None, causal=False, window=(-1, -1), sink_tokens=
 
 def _check_bar(q, k, v, sinks=None, causal=False, window=(-1, -1), sink_tokens=0, scale=None, config=None,
                oracle_dtype=torch.float64):
-    """The 2x bar of DESIGN.md section 4 for 16-bit inputs, on out and on the LSE."""
+    """The 2x bar of docs/design.md section 4 for 16-bit inputs, on out and on the LSE."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out, lse, pattern = _run(q, k, v, sinks, causal, window, sink_tokens, scale, config)
     ref_out, ref_lse = _oracle(q, k, v, sinks, causal, window, sink_tokens, scale, oracle_dtype)

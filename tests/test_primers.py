@@ -23,7 +23,7 @@ def _row_sum_case(x, w):
     y = weighted_row_sum(x, w)
     assert y.shape == (x.shape[0],) and y.dtype == x.dtype and y.device == x.device
     ref = x.double() @ w.double()                                                 # (M,) the oracle
-    if x.dtype == torch.float32:  # DESIGN.md section 4's float32 bar (cuBLAS's fp32 matvec is no baseline)
+    if x.dtype == torch.float32:  # docs/design.md section 4's float32 bar (cuBLAS's fp32 matvec is no baseline)
         assert relative_error(y, ref) < 1e-4
     else:
         v = verdict("y", y, ref, x @ w)                                           # torch in x's dtype

@@ -8,7 +8,7 @@ import torch
 
 from gstar import roofline
 from gstar.cli import roofline as cli
-from gstar.kernels import outputs
+from gstar import buffers
 
 CARD = "NVIDIA H100 80GB HBM3"
 
@@ -98,7 +98,7 @@ def test_cli_on_cpu_says_a_gpu_is_needed(tmp_path, capsys):
 @pytest.mark.gpu
 def test_cli_on_gpu_writes_json_and_primers_reach_85pct_of_copy(tmp_path, monkeypatch, capsys):
     """Acceptance of issue 9: every primer streams at >= 85% of the device-to-device copy bandwidth."""
-    monkeypatch.setattr(outputs, "POISON", False)  # the NaN fill of outputs would be timed too
+    monkeypatch.setattr(buffers, "POISON", False)  # the NaN fill of outputs would be timed too
     monkeypatch.setenv("COLUMNS", "200")  # rich shortens names in a narrow (captured) terminal
     out = tmp_path / "roofline.json"
     assert cli.run(_args(["--json", str(out), "--matmul-n", "4096"])) == 0

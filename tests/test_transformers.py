@@ -281,7 +281,7 @@ def test_attention_function_rejects_softcap():
 @pytest.mark.gpu
 def test_gpt_oss_bfloat16_cuda_within_flash_bar():
     """bfloat16 on the GPU: logits and loss within 2x, parameter gradients (sinks included) within 3x of
-    eager-bfloat16's error against eager-float32 (DESIGN.md section 4's bar, applied to the whole model)."""
+    eager-bfloat16's error against eager-float32 (docs/design.md section 4's bar, applied to the whole model)."""
     # both experts on every token: a bfloat16 routing flip would swamp the attention error being measured
     eager, ours = _pair(_gpt_oss, hidden_size=128, num_attention_heads=8, head_dim=64, num_experts_per_tok=2)
     ids = torch.randint(0, VOCAB, (2, 300), device="cuda")

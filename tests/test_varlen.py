@@ -4,7 +4,7 @@ The contract: packed attention equals :func:`gstar.flash_attention` run on each 
 and every gradient), so positions, causality, windows and sink tokens restart at each sequence, and no
 sequence sees another's keys. CPU tier: the torch path must match bitwise, the Triton kernels (interpreter)
 within float32 relative error 1e-4. GPU tier (marked ``gpu``): bfloat16 at gpt-oss heads within the
-flash-attn bar of DESIGN.md section 4.
+flash-attn bar of docs/design.md section 4.
 """
 
 import random

@@ -1,4 +1,4 @@
-"""The correctness bar of DESIGN.md section 4, shared by the tests and ``gstar check``.
+"""The correctness bar of docs/design.md section 4, shared by the tests and ``gstar check``.
 
 flash-attn's method: an implementation passes when its maximum error against a high-precision oracle is
 at most ``factor`` times the error of the naive PyTorch implementation run in the same (low) dtype, plus

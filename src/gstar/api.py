@@ -100,7 +100,7 @@ def _check_options(q, Hq: int, D: int, *, causal, window, sink_tokens, sinks, sc
 
 
 def normalize(q, k, v, *, causal, window, sink_tokens, sinks, scale, backend):
-    """Validate every argument of :func:`flash_attention` (DESIGN.md section 2).
+    """Validate every argument of :func:`flash_attention` (docs/design.md section 2).
 
     Returns ``(pattern, scale, backend)``.
     """

@@ -1,4 +1,4 @@
-"""The visibility rule of DESIGN.md section 1, and the tile ranges it implies.
+"""The visibility rule of docs/design.md section 1, and the tile ranges it implies.
 
 Every implementation in gstar (the naive oracle, the tiled PyTorch path, the Triton kernels) asks this
 module which keys a query sees. The rule, with ``p(i) = i + (Nk - Nq)`` (bottom-right alignment)::
@@ -37,7 +37,7 @@ def cdiv(a: int, b: int) -> int:
 class Pattern:
     """A normalised attention pattern: lengths plus the window bounds (``-1`` = unbounded).
 
-    Build it with :meth:`Pattern.make`, which applies the normalisations of DESIGN.md section 1
+    Build it with :meth:`Pattern.make`, which applies the normalisations of docs/design.md section 1
     (``causal`` forces ``right = 0``; sink tokens only matter under a left bound).
     """
 

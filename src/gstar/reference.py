@@ -12,12 +12,12 @@ import math
 
 import torch
 
-from .kernels.outputs import empty_packed_like
+from .buffers import empty_packed_like
 from .pattern import Pattern, kv_block_table
 
 
 def naive_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, sinks=None, scale=None):
-    """Attention by the definition of DESIGN.md section 1. Returns ``(out, lse)``.
+    """Attention by the definition of docs/design.md section 1. Returns ``(out, lse)``.
 
     q: (B, Hq, Nq, D), k: (B, Hkv, Nk, D), v: (B, Hkv, Nk, Dv), sinks: (Hq,) or None.
     Matmuls run in the input dtype (this is "PyTorch's own error" of the correctness bar), softmax

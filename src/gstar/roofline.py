@@ -97,7 +97,7 @@ def measure(*, buffer_bytes: int = 1 << 30, dtype: torch.dtype = torch.bfloat16,
         progress: optional ``callable(str)`` told which measurement starts.
 
     Raises ``RuntimeError`` without a CUDA device. Each measurement frees its buffers before the next. The
-    primers allocate their outputs through ``gstar.kernels.outputs``: run without ``GSTAR_POISON=1``, or
+    primers allocate their outputs through ``gstar.buffers``: run without ``GSTAR_POISON=1``, or
     the NaN fill is timed too.
     """
     if not torch.cuda.is_available():

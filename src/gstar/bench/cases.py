@@ -1,4 +1,4 @@
-"""Benchmark cases: the suites of DESIGN.md section 5, custom shapes, and the work each case represents.
+"""Benchmark cases: the suites of docs/design.md section 5, custom shapes, and the work each case represents.
 
 A :class:`Case` is one attention problem (self-attention, ``Nq == Nk``). Its FLOPs count only the visible
 ``(i, j)`` pairs of its pattern (``4 * B * Hq * D * pairs`` forward: two matmuls of ``2 * D`` FLOPs per pair;
@@ -123,7 +123,7 @@ SUITE_NAMES = tuple(SUITES) + ("all",)
 
 
 def suite(name: str) -> list[Case]:
-    """The cases of a suite of DESIGN.md section 5 (``all``: every suite in order)."""
+    """The cases of a suite of docs/design.md section 5 (``all``: every suite in order)."""
     if name == "all":
         return [c for build in SUITES.values() for c in build()]
     if name not in SUITES:

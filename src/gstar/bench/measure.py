@@ -24,7 +24,7 @@ from ..accuracy import Verdict, relative_error, verdict
 from ..reference import naive_attention
 from .cases import Case
 
-FLOAT32_BAR = 1e-4  # DESIGN.md section 4: float32 inputs must reach this relative error
+FLOAT32_BAR = 1e-4  # docs/design.md section 4: float32 inputs must reach this relative error
 MIN_PIECE_ROWS = 64  # the oracle's smallest piece of query rows
 
 
@@ -115,7 +115,7 @@ def naive_reference(case: Case, inputs: dict, dtype: torch.dtype, *, grads: bool
 
 
 def oracle_dtype(device: torch.device) -> torch.dtype:
-    """DESIGN.md section 4: float64 on a CPU, float32 on a GPU."""
+    """docs/design.md section 4: float64 on a CPU, float32 on a GPU."""
     return torch.float64 if device.type == "cpu" else torch.float32
 
 
@@ -130,7 +130,7 @@ def references(case: Case, inputs: dict, *, grads: bool) -> tuple[dict, dict | N
 
 
 def judge(name: str, x: torch.Tensor, ref: torch.Tensor, pt: torch.Tensor | None) -> Verdict:
-    """The bar of DESIGN.md section 4 for one tensor: 2x PyTorch's error for ``out``, 3x for gradients;
+    """The bar of docs/design.md section 4 for one tensor: 2x PyTorch's error for ``out``, 3x for gradients;
     relative error < 1e-4 when there is no low-precision baseline (float32 inputs).
     """
     if pt is None:

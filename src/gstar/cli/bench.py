@@ -1,6 +1,6 @@
 """``gstar bench``: gstar against its peers, same inputs, same process, checked before timed.
 
-Suites (DESIGN.md section 5): ``gpt-oss``, ``long``, ``fa``, ``stages``, ``all``; or one custom case per
+Suites (docs/design.md section 5): ``gpt-oss``, ``long``, ``fa``, ``stages``, ``all``; or one custom case per
 ``--seqlen`` from the shape flags. Implementations: gstar, eager (Hugging Face GPT-OSS style), SDPA flash
 and cuDNN, compiled FlexAttention, and FlashAttention-4 / fla when importable. Every row is checked against
 the naive oracle with the correctness bar before it is timed; a peer that cannot express a case shows as
@@ -36,7 +36,7 @@ def _impl_list(text: str) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``gstar bench``."""
     parser.add_argument("--suite", choices=SUITE_NAMES, default="gpt-oss",
-                        help="reference shapes of DESIGN.md section 5 (default: gpt-oss)")
+                        help="reference shapes of docs/design.md section 5 (default: gpt-oss)")
     parser.add_argument("--mode", choices=MODES, default="fwd",
                         help="time the forward, the backward alone, or both (default: fwd)")
     parser.add_argument("--timing", choices=("eager", "graph"), default="eager",

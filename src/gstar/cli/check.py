@@ -1,7 +1,7 @@
 """``gstar check``: the nine-stage autograder (plus GPT-OSS), on a GPU or, reduced, on any CPU.
 
 Each stage prints one line per case (pass or fail, the shape, the measured error against the bar of
-DESIGN.md section 4), then a short race of its last case against naive PyTorch: time, peak memory,
+docs/design.md section 4), then a short race of its last case against naive PyTorch: time, peak memory,
 "N.NNx faster", "N.NNx less memory". Exit status 0 only when every case passed. The stage table (what
 each stage checks, at which shapes on GPU and CPU) is in :mod:`gstar.check.stages`.
 

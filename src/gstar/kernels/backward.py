@@ -46,7 +46,8 @@ import triton.language as tl
 
 from ..pattern import (KV_BAND_END, KV_BAND_START, KV_FULL_END, KV_FULL_START, KV_SINK_END, Q_END, Q_FULL_END,
                        Q_FULL_START, Q_START, Pattern, cdiv, kv_block_table, q_block_table)
-from . import descriptors, outputs
+from .. import buffers
+from . import descriptors
 from .configs import BackwardConfig, backward_config, dot_precision, next_power_of_2, pad_head_dim
 from .forward import batch_strides
 from .launch import constexprs, launch
@@ -631,7 +632,7 @@ def _launch_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tupl
 def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale: float, *,
                        config: BackwardConfig | None = None,
                        cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """Gradients of attention (DESIGN.md section 1) from the forward's output and LSE.
+    """Gradients of attention (docs/design.md section 1) from the forward's output and LSE.
 
     Args:
         dout, q, out: ``(B, Hq, Nq, D)``; k, v: ``(B, Hkv, Nk, D)``; any strides with unit last stride
@@ -653,7 +654,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
     """
     B, Hq, Nq, _ = q.shape
     varlen = cu_seqlens is not None
-    like = outputs.empty_packed_like if varlen else outputs.empty_like
+    like = buffers.empty_packed_like if varlen else buffers.empty_like
     if B * Hq * Nq == 0 or k.shape[2] == 0:
         grads = [like(t).zero_() for t in (q, k, v)]
         dsinks = None
@@ -665,7 +666,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
     plan = _launch_plan(q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), dout.stride(),
                         None if dlse is None else dlse.stride(), q.dtype, q.device, sinks is not None, pattern,
                         scale, cu_seqlens[0].shape[0] - 1 if varlen else None, config, dot_precision(q.dtype))
-    stats = outputs.empty(plan.stats_shape, dtype=torch.float32, device=q.device)
+    stats = buffers.empty(plan.stats_shape, dtype=torch.float32, device=q.device)
     delta, lse2 = stats[0], stats[1]                                                # (B, Hq, Nq) each
     cu_q, cu_k = cu_seqlens if varlen else (lse, lse)  # any pointer when VARLEN is off
     dq_tma = plan.dq_tma and descriptors.supported(k, v)
@@ -680,8 +681,8 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
     dq = like(q)
     shares = dsinks = None
     if sinks is not None:
-        shares = outputs.empty(plan.shares_shape, dtype=torch.float32, device=q.device)  # (seqs, n_q_tiles, Hq)
-        dsinks = outputs.empty((Hq,), dtype=torch.float32, device=q.device)             # summed by _dkdv
+        shares = buffers.empty(plan.shares_shape, dtype=torch.float32, device=q.device)  # (seqs, n_q_tiles, Hq)
+        dsinks = buffers.empty((Hq,), dtype=torch.float32, device=q.device)             # summed by _dkdv
     launch(_dq, plan.dq_grid, (q, k_in, v_in, out, dout, dlse, lse, sinks, lse2, delta, dq, shares,
                                plan.kv_table, cu_q, cu_k),
            (*plan.dq_head, *batch_strides(dq.stride(), varlen), *plan.dq_tail), plan.dq_options[dq_tma])
@@ -689,7 +690,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
     dk, dv = like(k), like(v)
     pk, pv = dk, dv
     if plan.partials_shape is not None:
-        pk, pv = outputs.empty(plan.partials_shape, dtype=torch.float32, device=q.device)
+        pk, pv = buffers.empty(plan.partials_shape, dtype=torch.float32, device=q.device)
     launch(_dkdv, plan.dkdv_grid, (q_in, k, v, do_in, lse2, delta, pk, pv, plan.work, shares, dsinks, cu_q, cu_k),
            (*plan.dkdv_head, *batch_strides(dk.stride(), varlen), *batch_strides(dv.stride(), varlen),
             *plan.dkdv_tail), plan.dkdv_options[dkdv_tma])

@@ -134,7 +134,7 @@ def _pack(group: int, block_m: int, min_rows: int) -> int:
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """IEEE float32 dots unless the user allowed TF32 (DESIGN.md section 1); 16-bit inputs ignore it."""
+    """IEEE float32 dots unless the user allowed TF32 (docs/design.md section 1); 16-bit inputs ignore it."""
     if dtype != torch.float32:
         return "tf32"
     matmul = torch.backends.cuda.matmul

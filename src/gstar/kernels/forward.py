@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..pattern import Pattern, cdiv
-from . import outputs
+from .. import buffers
 from .configs import dot_precision, forward_config, pad_head_dim
 from .launch import constexprs, launch
 from .ranges import kv_range, sequence_bounds, tile_rows
@@ -344,8 +344,8 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
     plan = _launch_plan(q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device,
                         sinks is not None, pattern, scale, cu_seqlens[0].shape[0] - 1 if varlen else None,
                         tuple(sorted(config.items())) if config else None, dot_precision(q.dtype))
-    out = (outputs.empty_packed_like if varlen else outputs.empty_like)(q)         # q's shape
-    lse = outputs.empty(plan.lse_shape, dtype=torch.float32, device=q.device)      # (B, Hq, Nq)
+    out = (buffers.empty_packed_like if varlen else buffers.empty_like)(q)         # q's shape
+    lse = buffers.empty(plan.lse_shape, dtype=torch.float32, device=q.device)      # (B, Hq, Nq)
     cu_q, cu_k = cu_seqlens if varlen else (lse, lse)  # any pointer when VARLEN is off
     launch(_forward_kernel, plan.grid, (q, k, v, sinks, out, lse, cu_q, cu_k),
            (*plan.head, *batch_strides(out.stride(), varlen), *plan.tail), plan.options)

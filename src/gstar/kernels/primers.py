@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import outputs
+from .. import buffers
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _TILE_ELEMENTS = 8192  # elements of x per program and loop step: 16 KiB of bf16, enough loads in flight
@@ -82,7 +82,7 @@ def weighted_row_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """
     _check(x, w)
     M, N = x.shape
-    y = outputs.empty((M,), dtype=x.dtype, device=x.device)                      # (M,)
+    y = buffers.empty((M,), dtype=x.dtype, device=x.device)                      # (M,)
     if M == 0:
         return y
     # A tile of ~_TILE_ELEMENTS: long rows get few rows and a wide column step, short rows many rows.

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .. import outputs
+from ... import buffers
 
 SOURCE_DIR = Path(__file__).resolve().parent
 KERNEL_SOURCES = ("vector_add.cu", "matrix_add.cu")  # standalone: no torch headers
@@ -85,7 +85,7 @@ def vector_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         ``(n,)`` contiguous, bitwise equal to torch's ``a + b`` (each sum in float32, rounded once).
     """
     _check(a, b, 1)
-    out = outputs.empty(a.shape, dtype=a.dtype, device=a.device)                 # (n,)
+    out = buffers.empty(a.shape, dtype=a.dtype, device=a.device)                 # (n,)
     if out.numel():
         extension().vector_add(a, b, out)
     return out
@@ -102,7 +102,7 @@ def matrix_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         ``(m, n)`` contiguous, bitwise equal to torch's ``a + b``.
     """
     _check(a, b, 2)
-    out = outputs.empty(a.shape, dtype=a.dtype, device=a.device)                 # (m, n)
+    out = buffers.empty(a.shape, dtype=a.dtype, device=a.device)                 # (m, n)
     if out.numel():
         extension().matrix_add(a, b, out)
     return out

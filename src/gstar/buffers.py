@@ -1,4 +1,4 @@
-"""Allocation of kernel outputs.
+"""Allocation of every output buffer (the kernels' and the PyTorch path's).
 
 Every buffer a kernel writes is allocated here, so that tests can poison it: with ``GSTAR_POISON=1`` in
 the environment (the test suite's ``conftest.py`` sets it) outputs start as NaN instead of uninitialised
