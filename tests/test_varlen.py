@@ -14,9 +14,8 @@ import torch
 
 import gstar
 from gstar.accuracy import relative_error, verdict
-from gstar.kernels.backward import attention_backward
+from gstar.kernels import attention_backward, attention_forward
 from gstar.kernels.configs import BackwardConfig
-from gstar.kernels.forward import attention_forward
 from gstar.pattern import Pattern
 from gstar.reference import naive_attention, tiled_backward, tiled_forward
 

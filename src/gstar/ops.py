@@ -35,8 +35,7 @@ def _backend_fns(backend: str):
     if backend == "torch":
         from .reference import tiled_backward, tiled_forward
         return tiled_forward, tiled_backward
-    from .kernels.backward import attention_backward
-    from .kernels.forward import attention_forward
+    from .kernels import attention_backward, attention_forward
     return attention_forward, attention_backward
 
 
