@@ -1,4 +1,7 @@
-"""Test setup: the Triton interpreter on CPU-only machines, and NaN-poisoned kernel outputs.
+"""Test setup: the Triton interpreter on CPU-only machines, NaN-poisoned kernel outputs, and the tiers.
+
+Tiers: ``pytest`` runs the quick suite (every kernel path, a few minutes on two cores); ``pytest --full``
+adds the tests marked ``slow``; tests marked ``gpu`` run only where CUDA is available.
 
 Both switches must be set before triton or gstar.kernels is imported, which is why they live here.
 """
@@ -15,11 +18,20 @@ os.environ["GSTAR_POISON"] = "1"
 import pytest  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="also run the tests marked slow (end-to-end runs and larger sweeps): the full suite")
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (GPU tier)")
+    skip_slow = pytest.mark.skip(reason="slow: part of the full suite (pytest --full)")
+    full = config.getoption("--full")
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+        elif "slow" in item.keywords and not full:
+            item.add_marker(skip_slow)
 
 
 @pytest.fixture
