@@ -88,10 +88,10 @@ def _args(argv):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
-def test_cli_on_cpu_says_a_gpu_is_needed(tmp_path, capsys):
+def test_cli_on_cpu_fails_and_says_a_gpu_is_required(tmp_path, capsys):
     out = tmp_path / "r.json"
-    assert cli.run(_args(["--json", str(out)])) == 0
-    assert "needs a CUDA GPU" in capsys.readouterr().out
+    assert cli.run(_args(["--json", str(out)])) == 1
+    assert "a CUDA GPU is required" in capsys.readouterr().err
     assert not out.exists()
 
 
