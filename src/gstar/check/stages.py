@@ -4,9 +4,9 @@ Stages 1-9 build up from tiled attention in PyTorch to the Triton backward with 
 sink tokens; stage 10 is GPT-OSS (learned sinks). GPU shapes are the reference cases of docs/design.md
 section 5 (the ``stages`` suite of ``gstar bench``): the windowed stages use a 256-key window,
 ``window=(255, 0)``, and 4 sink tokens. CPU shapes are small and odd, so that the Triton interpreter gets
-through them in under a minute of CPU time; the interpreter is unreliable for bfloat16, so CPU stages use float16
-and float32 (float32 is judged by relative error < 1e-4, the others by 2x / 3x PyTorch's own error).
-Shapes are ``(B, Hq, Hkv, N, D)``.
+through them in under a minute of CPU time; the interpreter is unreliable for bfloat16, so CPU stages use
+float16 and float32 (float32 is judged by relative error < 1e-4, the others by 2x / 3x PyTorch's own
+error). Shapes are ``(B, Hq, Hkv, N, D)``.
 
 =====  =============================  ============================================  ============================
 stage  what                           GPU shapes (bf16)                             CPU shapes (interpreter)
