@@ -1,16 +1,20 @@
-"""``gstar bench``: argument parsing, the FLOP count, the oracle, wrong peers, and the files it writes."""
+"""``gstar bench``: argument parsing, the FLOP count, the oracle, wrong peers, packed documents, the files it
+writes and the markdown tables it prints."""
 
 import csv
+import importlib
 import itertools
 import json
+import sys
 
 import pytest
 import torch
 
-from gstar import naive_attention
-from gstar.bench import measure
-from gstar.bench.cases import Case, for_cpu, suite
-from gstar.bench.peers import PEER_NAMES, Eager, Gstar, Peer
+from gstar import flash_attention_varlen, naive_attention
+from gstar.bench import cases, measure
+from gstar.bench.cases import Case, document_lengths, for_cpu, packed_case, suite
+from gstar.bench.peers import PEER_NAMES, Eager, Gstar, GstarPadded, Peer
+from gstar.bench.report import markdown_table
 from gstar.bench.runner import add_ratios, run_row
 from gstar.cli.bench import cases_from_args
 from gstar.cli.main import build_parser, main
@@ -28,7 +32,7 @@ def test_defaults():
     assert cases_from_args(args, "cuda") == suite("gpt-oss")
 
 
-@pytest.mark.parametrize("name", ["stages", "gpt-oss", "long", "fa", "all"])
+@pytest.mark.parametrize("name", ["stages", "gpt-oss", "long", "fa", "varlen", "all"])
 @pytest.mark.parametrize("mode", ["fwd", "bwd", "fwd+bwd"])
 def test_suites_and_modes(name, mode):
     args = parse("--suite", name, "--mode", mode)
@@ -59,13 +63,19 @@ def test_reference_suites_follow_the_design():
     s7 = suite("stages")[-1]
     assert (s7.batch, s7.heads, s7.kv_heads, s7.seqlen, s7.head_dim, s7.window, s7.sink_tokens) == \
         (1, 16, 1, 4096, 16, (255, 0), 4)
-    assert len(suite("all")) == sum(len(suite(n)) for n in ("gpt-oss", "long", "fa", "stages"))
+    varlen = suite("varlen")
+    assert {(c.heads, c.kv_heads, c.head_dim, c.dtype, c.sinks, c.causal) for c in varlen} == \
+        {(64, 8, 64, "bfloat16", True, True)}
+    assert {c.window for c in varlen} == {(-1, -1), (127, 0)}
+    assert all(len(c.lengths) == 16 and c.tokens == 16384 and min(c.lengths) > 0 for c in varlen)
+    assert len(suite("all")) == sum(len(suite(n)) for n in ("gpt-oss", "long", "fa", "stages", "varlen"))
 
 
 def test_cpu_shrinks_suites_but_keeps_gqa():
     for c in suite("all"):
         small = for_cpu(c)
-        assert small.dtype == "float32" and small.batch == 1 and small.seqlen <= c.seqlen
+        assert small.dtype == "float32" and small.seqlen <= c.seqlen and small.tokens <= c.tokens
+        assert small.batch == (len(c.lengths) if c.packed else 1)
         assert small.heads % small.kv_heads == 0 and small.sinks == c.sinks and small.causal == c.causal
     assert cases_from_args(parse("--suite", "fa"), "cpu") == [for_cpu(c) for c in suite("fa")]
 
@@ -171,6 +181,83 @@ def test_rows_check_before_timing(mode):
     assert names == ({"out"} if mode == "fwd" else {"out", "dq", "dk", "dv"})
 
 
+def test_packed_case_counts_each_document():
+    lengths = (5, 17, 1, 40)
+    c = packed_case("t", lengths, heads=4, kv_heads=2, head_dim=16, causal=True, window=(7, 0), sink_tokens=2)
+    assert (c.batch, c.seqlen, c.tokens) == (4, 40, 63) and c.packed
+    per_doc = [int(Case("t", 1, 4, 2, n, 16, causal=True, window=(7, 0), sink_tokens=2).pattern.mask().sum())
+               for n in lengths]
+    assert c.visible_pairs() == 4 * sum(per_doc)
+    assert c.bytes_moved("fwd") == 2 * (2 * 63 * 4 * 16 + 2 * 63 * 2 * 16) + 4 * 63 * 4
+    assert c.cu_seqlens("cpu").tolist() == [0, 5, 22, 23, 63]
+    assert c.padding_mask("cpu").sum(1).tolist() == list(lengths)
+    with pytest.raises(ValueError, match="packed case"):
+        Case("t", 3, 4, 2, 40, 16, lengths=lengths)
+    assert sum(document_lengths(1000, 7, seed=3)) == 1000 and len(document_lengths(1000, 7, seed=3)) == 7
+
+
+@pytest.mark.parametrize("pattern", [dict(causal=True), dict(causal=True, window=(6, 0), sink_tokens=2)], ids=str)
+def test_packed_oracle_equals_the_padded_batch(pattern):
+    """The packed oracle against an independent route: right-pad the documents into a batch (exact for rows
+    that see no key right of the diagonal), one naive_attention call, gradients of zero-padded dout."""
+    c = packed_case("t", (9, 30, 1, 17), heads=4, kv_heads=2, head_dim=16, sinks=True, dtype="float32", **pattern)
+    inputs = measure.make_inputs(c, "cpu")
+    got = measure.naive_reference(c, inputs, torch.float64, grads=True)
+    mask = c.padding_mask("cpu")                                                       # (B, N)
+    padded = {}
+    for name in ("q", "k", "v", "dout"):
+        x = inputs[name].new_zeros(c.batch, c.seqlen, *inputs[name].shape[1:])         # (B, N, H, D)
+        x[mask] = inputs[name]
+        padded[name] = x.transpose(1, 2).double()                                     # (B, H, N, D)
+    leaves = [padded[n].requires_grad_() for n in ("q", "k", "v")] + [inputs["sinks"].double().requires_grad_()]
+    out, _ = naive_attention(*leaves[:3], sinks=leaves[3], **pattern)
+    grads = torch.autograd.grad(out, leaves, padded["dout"])
+    want = {"out": out.detach(), "dq": grads[0], "dk": grads[1], "dv": grads[2]}
+    for name, x in want.items():
+        torch.testing.assert_close(got[name], x.transpose(1, 2)[mask], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got["dsinks"], grads[3], rtol=1e-12, atol=1e-12)
+
+
+class _Leaky(Gstar):
+    """Wrong on purpose on packed documents: all tokens as one sequence, so documents see each other."""
+
+    name = "leaky"
+
+    def build(self, case, device):
+        one = torch.tensor([0, case.tokens], dtype=torch.int32, device=device)
+        kw = dict(causal=case.causal, window=case.window, sink_tokens=case.sink_tokens)
+        return lambda q, k, v, sinks: flash_attention_varlen(q, k, v, one, one, case.tokens, case.tokens,
+                                                             sinks=sinks, **kw)
+
+
+@pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
+def test_packed_rows_check_before_timing(mode):
+    """The varlen suite's rows: packed and padded gstar pass the bar on every tensor, in the packed layout;
+    attention that lets documents see each other is WRONG."""
+    c = packed_case("t", (13, 40, 2, 25), heads=4, kv_heads=2, head_dim=16, causal=True, window=(9, 0),
+                    sinks=True, dtype="float32")
+    inputs = measure.make_inputs(c, "cpu")
+    ref, pt = measure.references(c, inputs, grads=mode != "fwd")
+    dev = torch.device("cpu")
+    peers = (Gstar(), GstarPadded(), _Leaky())
+    assert [p.applies(c) for p in peers] == [True, True, True] and not Eager().applies(c)
+    assert not GstarPadded().applies(suite("gpt-oss")[0])
+    rows = [run_row(p, c, mode, inputs, ref, pt, dev) for p in peers]
+    add_ratios(rows)
+    packed, padded, leaky = rows
+    assert packed["status"] == "ok" and padded["status"] == "ok", (packed, padded)
+    assert leaky["status"] == "WRONG" and "out" in leaky["reason"]
+    assert padded["vs_gstar"] > 0 and padded["peak_mib"] > packed["peak_mib"]  # the padding's memory shows
+    names = {ch["name"].split()[0] for ch in packed["checks"]}
+    assert names == ({"out"} if mode == "fwd" else {"out", "dq", "dk", "dv", "dsinks"})
+    assert names == {ch["name"].split()[0] for ch in padded["checks"]}
+
+
+def test_padded_rows_need_a_causal_pattern():
+    c = packed_case("t", (8, 12), heads=2, kv_heads=2, head_dim=16, window=(3, 3))
+    assert GstarPadded().unsupported(c, torch.device("cpu"), "fwd").startswith("right padding")
+
+
 def test_graph_timing_needs_a_gpu(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["bench", "--timing", "graph", "--seqlen", "40"]) == 2
@@ -266,7 +353,16 @@ def test_eager_declines_a_capture_it_would_not_fit(monkeypatch):
     assert Gstar().uncapturable(case, device, "fwd+bwd") is None
 
 
+def _require(module: str):
+    """Import a library the test extra installs, or fail saying how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        pytest.fail(f"{module} is not installed; the tests need the test extra: pip install -e '.[test]'")
+
+
 def test_json_csv_plot(tmp_path, capsys):
+    _require("matplotlib")
     paths = {k: tmp_path / f"bench.{k}" for k in ("json", "csv", "png")}
     argv = ["bench", "--batch", "1", "--heads", "2", "--kv-heads", "1", "--seqlen", "40", "48", "--head-dim", "16",
             "--causal", "--window", "7", "0", "--sink-tokens", "2", "--sinks", "--dtype", "float32",
@@ -355,3 +451,83 @@ def test_gpu_peers_agree_with_the_oracle(tmp_path, mode, shape):
         assert rows["sdpa-flash"]["status"] == "n/a" and rows["sdpa-cudnn"]["status"] == "n/a"
     else:
         assert rows["sdpa-flash"]["status"] == "ok", rows["sdpa-flash"]
+
+
+def test_plot_without_matplotlib_names_the_extra(monkeypatch, tmp_path, capsys):
+    """The install hint survives rich's markup: ``[bench]`` is printed, not eaten as a style tag."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert main(["bench", "--seqlen", "40", "--heads", "2", "--plot", str(tmp_path / "p.png")]) == 2
+    assert "pip install 'gstar[bench]'" in capsys.readouterr().err
+
+
+def test_varlen_suite(monkeypatch, tmp_path, capsys):
+    """``--suite varlen``: packed and padded gstar rows, checked, in the JSON like any suite; on a CPU the suite
+    is reduced (and says so), a custom shape is not (and does not)."""
+    small = [packed_case("varlen", document_lengths(16 * 48, 4), causal=True, window=w, heads=16, kv_heads=8,
+                         head_dim=16, sinks=True) for w in ((-1, -1), (31, 0))]
+    monkeypatch.setitem(cases.SUITES, "varlen", lambda: small)
+    path = tmp_path / "varlen.json"
+    assert main(["bench", "--suite", "varlen", "--mode", "fwd+bwd", "--json", str(path)]) == 0
+    cpu = not torch.cuda.is_available()
+    assert ("at reduced shapes" in capsys.readouterr().err) == cpu
+    data = json.loads(path.read_text())
+    assert data["suite"] == "varlen" and data["complete"] is True
+    rows = data["rows"]
+    assert [r["impl"] for r in rows] == ["gstar", "gstar-padded"] * 2
+    assert all(r["status"] == "ok" and r["time_ms"] > 0 for r in rows), rows
+    want = for_cpu(small[0]) if cpu else small[0]  # on a CPU each document 1/16 as long
+    assert all(r["case"]["lengths"] == list(want.lengths) for r in rows)
+    assert {ch["name"].split()[0] for ch in rows[1]["checks"]} == {"out", "dq", "dk", "dv", "dsinks"}
+    assert main(["bench", "--seqlen", "40", "--heads", "2", "--head-dim", "16", "--impls", "gstar"]) == 0
+    assert "reduced" not in capsys.readouterr().err
+
+
+def _bench_json(rows, **env):
+    return {"tool": "gstar bench", "suite": "fa", "mode": "fwd", "complete": True,
+            "environment": dict({"card": "NVIDIA H100", "torch": "2.11", "triton": "3.6", "timing": "eager"}, **env),
+            "rows": rows}
+
+
+def _json_row(label, impl, status, ms=None):
+    return {"case": {"label": label}, "impl": impl, "status": status, "time_ms": ms}
+
+
+def test_markdown_table():
+    data = _bench_json([_json_row("B1 N64", "gstar", "ok", 0.1234), _json_row("B1 N64", "eager", "WRONG", 2.0),
+                        _json_row("B1 N128", "gstar", "ok", 0.5), _json_row("B1 N128", "eager", "OOM"),
+                        _json_row("B1 N128", "flex", "n/a")], timing="graph")
+    lines = markdown_table(data).splitlines()
+    assert lines[0] == "fwd, CUDA graph replays, ms (median), NVIDIA H100, torch 2.11, triton 3.6:"
+    assert lines[2:] == ["| case | gstar | eager | flex |", "|---|---|---|---|",
+                         "| B1 N64 | 0.123 | 2.000 (wrong) | - |", "| B1 N128 | 0.500 | n/a | n/a |"]
+    assert "cut short" in markdown_table(dict(data, complete=False)).splitlines()[0]
+
+
+def test_table_option_reads_saved_results(tmp_path, capsys):
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    paths[0].write_text(json.dumps(_bench_json([_json_row("B1 N64", "gstar", "ok", 1.0)])))
+    paths[1].write_text(json.dumps(_bench_json([_json_row("B2 N64", "gstar", "ok", 2.0)], card="NVIDIA H200")))
+    assert main(["bench", "--table", *map(str, paths)]) == 0
+    out = capsys.readouterr().out
+    assert "| B1 N64 | 1.000 |" in out and "| B2 N64 | 2.000 |" in out and "NVIDIA H200" in out
+    (tmp_path / "bad.json").write_text("{not json")
+    assert main(["bench", "--table", str(tmp_path / "bad.json")]) == 2
+    assert "bad.json" in capsys.readouterr().err
+
+
+def test_cpu_race_warms_up_and_takes_turns():
+    calls = []
+    first = lambda: calls.append("a")  # noqa: E731
+    second = lambda: calls.append("b")  # noqa: E731
+    a, b = measure.race_ms([first, second], torch.device("cpu"))
+    assert a >= 0 and b >= 0
+    runs = len(calls) // 2 - 1
+    assert calls[:2] == ["a", "b"] and calls[2:] == ["a", "b"] * runs  # warm-up, then turns
+    assert measure.CPU_RUNS[0] <= runs <= measure.CPU_RUNS[1]
+
+
+def test_one_cpu_thread_restores_the_thread_count():
+    before = torch.get_num_threads()
+    with measure.one_cpu_thread():
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before

@@ -38,6 +38,10 @@ def raises(q, k, v, **kw):
     raise NotImplementedError("kernel not written yet")
 
 
+def raises_with_brackets(q, k, v, **kw):
+    raise NotImplementedError("needs an extra: pip install 'gstar[bench]'")
+
+
 @pytest.mark.parametrize("text,number", [("3", 3), ("p3", 3), ("P7", 7), ("10", 10), ("p10", 10)])
 def test_stage_spellings(text, number):
     assert parse_stage(text) == number
@@ -108,9 +112,27 @@ def test_cli_exit_status_1_on_a_wrong_implementation(tmp_path):
     assert data["passed"] is False and data["stages"][0]["passed"] is False
 
 
-def test_cli_exit_status_0_and_json_schema(tmp_path):
+def test_cli_prints_messages_verbatim_and_names_failed_stages(capsys):
+    """A case's error goes through rich unaltered (``[bench]`` is no style tag); the summary counts stages."""
+    assert main(["check", "--stage", "3", "--impl", f"{__name__}:raises_with_brackets", "--no-bench"]) == 1
+    out = capsys.readouterr().out
+    assert "pip install 'gstar[bench]'" in out and "FAILED: stage 3\n" in out
+
+
+def test_help_is_plain_text_and_counts_ten_stages(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out and "ten stages" in out and "nine" not in out
+
+
+def test_cli_exit_status_0_and_json_schema(tmp_path, capsys):
     out = tmp_path / "check.json"
     assert main(["check", "--stage", "p4", "--stage", "10", "--backend", "torch", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "All 2 stages passed." in printed
+    if not torch.cuda.is_available():
+        assert "CPU timings are indicative only" in printed
     data = json.loads(out.read_text())
     assert data["tool"] == "gstar check" and data["passed"] is True
     assert data["device"] in ("cpu", "cuda") and isinstance(data["interpreter"], bool)
@@ -131,6 +153,17 @@ def test_cli_exit_status_0_and_json_schema(tmp_path):
         assert b["mode"] == ("fwd" if s["stage"] == 4 else "fwd+bwd")
         assert b["impl_ms"] > 0 and b["naive_ms"] > 0 and b["speedup"] > 0
         assert b["impl_peak_mib"] > 0 and b["memory_ratio"] > 0  # the tiled PyTorch path: measurable on CPU
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
+def test_cpu_races_pytorch_stages_and_not_interpreted_ones():
+    """On a CPU, stage 1 (PyTorch) races naive PyTorch; stage 2 (the Triton interpreter) is checked only."""
+    tiled, rowsum = runner.run_check([1, 2], device="cpu")
+    assert tiled.passed and rowsum.passed
+    b = tiled.bench
+    assert b["impl_ms"] > 0 and b["naive_ms"] > 0 and b["speedup"] == pytest.approx(b["naive_ms"] / b["impl_ms"])
+    assert b["impl_peak_mib"] > 0 and b["note"] is None
+    assert rowsum.bench["note"] == runner.INTERPRETER_NOTE and rowsum.bench["impl_ms"] is None
 
 
 def test_naive_attention_as_impl_passes_the_tiled_stage():

@@ -39,7 +39,7 @@ def test_floors_memory_bound_and_ceiling_choice():
     assert f["memory_ms"] == pytest.approx(2.0)
     assert f["floor_ms"] == pytest.approx(2.0) and f["bound"] == "memory"
     assert "pct_of_floor" not in f
-    del r["memory_gbps"]  # older files: the copy rate
+    del r["memory_gbps"]  # a file without it: the copy rate is the ceiling
     assert roofline.floors(0, 8e9, r)["memory_ms"] == pytest.approx(4.0)
 
 
@@ -88,16 +88,16 @@ def _args(argv):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
-def test_cli_on_cpu_says_a_gpu_is_needed(tmp_path, capsys):
+def test_cli_on_cpu_fails_and_says_a_gpu_is_required(tmp_path, capsys):
     out = tmp_path / "r.json"
-    assert cli.run(_args(["--json", str(out)])) == 0
-    assert "needs a CUDA GPU" in capsys.readouterr().out
+    assert cli.run(_args(["--json", str(out)])) == 1
+    assert "a CUDA GPU is required" in capsys.readouterr().err
     assert not out.exists()
 
 
 @pytest.mark.gpu
 def test_cli_on_gpu_writes_json_and_primers_reach_85pct_of_copy(tmp_path, monkeypatch, capsys):
-    """Acceptance of issue 9: every primer streams at >= 85% of the device-to-device copy bandwidth."""
+    """Every primer streams at >= 85% of the device-to-device copy bandwidth."""
     monkeypatch.setattr(buffers, "POISON", False)  # the NaN fill of outputs would be timed too
     monkeypatch.setenv("COLUMNS", "200")  # rich shortens names in a narrow (captured) terminal
     out = tmp_path / "roofline.json"

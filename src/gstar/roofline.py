@@ -1,4 +1,5 @@
-"""The card's roofline: measured memory and matmul ceilings, stored as JSON for ``gstar bench``.
+"""The card's roofline: measured memory and matmul ceilings, stored as JSON for ``gstar bench``'s floor
+columns (docs/design.md section 5).
 
 ``measure()`` times, on the current GPU, a device-to-device copy, the three primers (``vector_add`` and
 ``matrix_add`` in CUDA C++, ``weighted_row_sum`` in Triton) on buffers many times the L2 cache, and a

@@ -1,6 +1,7 @@
 """Benchmark cases: the suites of docs/design.md section 5, custom shapes, and the work each case represents.
 
-A :class:`Case` is one attention problem (self-attention, ``Nq == Nk``). Its FLOPs count only the visible
+A :class:`Case` is one attention problem (self-attention, ``Nq == Nk``): a batch of equal lengths, or packed
+documents of several lengths (the ``varlen`` suite, docs/design.md section 2). Its FLOPs count only the visible
 ``(i, j)`` pairs of its pattern (``4 * B * Hq * D * pairs`` forward: two matmuls of ``2 * D`` FLOPs per pair;
 the backward does five such matmuls, 2.5x the forward), so a windowed kernel is not credited for work it
 rightly skips. ``bytes_moved`` is the least HBM traffic any implementation needs (read the inputs once,
@@ -10,6 +11,8 @@ write the outputs once): the memory floor of the roofline.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import random
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +28,11 @@ _SHORT_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
 
 @dataclass(frozen=True)
 class Case:
-    """One benchmark problem: ``q (B, Hq, N, D)``, ``k, v (B, Hkv, N, D)``, a pattern, a dtype."""
+    """One benchmark problem: ``q (B, Hq, N, D)``, ``k, v (B, Hkv, N, D)``, a pattern, a dtype.
+
+    A packed case (``lengths`` given) holds ``B = len(lengths)`` documents as ``q (total, Hq, D)``,
+    ``k, v (total, Hkv, D)``; ``seqlen`` is the longest document, the length of the padded batch.
+    """
 
     family: str
     batch: int
@@ -38,15 +45,42 @@ class Case:
     sink_tokens: int = 0
     sinks: bool = False
     dtype: str = "bfloat16"
+    lengths: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.lengths and (self.batch, self.seqlen) != (len(self.lengths), max(self.lengths)):
+            raise ValueError(f"a packed case has batch = len(lengths) and seqlen = max(lengths), got batch "
+                             f"{self.batch}, seqlen {self.seqlen} for lengths {self.lengths}")
+
+    @property
+    def packed(self) -> bool:
+        return bool(self.lengths)
+
+    @property
+    def tokens(self) -> int:
+        """Query (and key) rows over the whole batch: the documents' total length for a packed case."""
+        return sum(self.lengths) if self.packed else self.batch * self.seqlen
+
+    def cu_seqlens(self, device) -> torch.Tensor:
+        """``(B + 1,)`` int32 offsets of the documents of a packed case."""
+        return torch.tensor([0, *itertools.accumulate(self.lengths)], dtype=torch.int32, device=device)
+
+    def padding_mask(self, device) -> torch.Tensor:
+        """``(B, N)`` bool, True at the real tokens of a packed case right-padded to its longest document."""
+        lengths = torch.tensor(self.lengths, device=device)
+        return torch.arange(self.seqlen, device=device)[None, :] < lengths[:, None]
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    def pattern_of(self, n: int) -> Pattern:
+        """The case's pattern on ``n`` queries and keys."""
+        return Pattern.make(n, n, causal=self.causal, window=self.window, sink_tokens=self.sink_tokens)
+
     @property
     def pattern(self) -> Pattern:
-        return Pattern.make(self.seqlen, self.seqlen, causal=self.causal, window=self.window,
-                            sink_tokens=self.sink_tokens)
+        return self.pattern_of(self.seqlen)
 
     @property
     def mask_label(self) -> str:
@@ -70,10 +104,14 @@ class Case:
 
     @property
     def label(self) -> str:
+        if self.packed:
+            return f"{self.batch} docs T{self.tokens} N<={self.seqlen} {self.series}"
         return f"B{self.batch} N{self.seqlen} {self.series}"
 
     def visible_pairs(self) -> int:
-        """Visible (query, key) pairs summed over batch and query heads."""
+        """Visible (query, key) pairs summed over batch (each document) and query heads."""
+        if self.packed:
+            return self.heads * sum(self.pattern_of(n).visible_pairs() for n in self.lengths)
         return self.batch * self.heads * self.pattern.visible_pairs()
 
     def flops(self, mode: str) -> float:
@@ -83,9 +121,9 @@ class Case:
     def bytes_moved(self, mode: str) -> int:
         """The least HBM traffic of ``mode``: each input read once, each output written once."""
         esize = torch.finfo(self.torch_dtype).bits // 8
-        q_elems = self.batch * self.heads * self.seqlen * self.head_dim
-        kv_elems = self.batch * self.kv_heads * self.seqlen * self.head_dim
-        rows = self.batch * self.heads * self.seqlen
+        q_elems = self.tokens * self.heads * self.head_dim
+        kv_elems = self.tokens * self.kv_heads * self.head_dim
+        rows = self.tokens * self.heads
         fwd = esize * (2 * q_elems + 2 * kv_elems) + 4 * rows           # q, k, v in; out, lse out
         bwd = esize * (4 * q_elems + 4 * kv_elems) + 8 * rows           # q k v out dout lse in; dq dk dv out
         return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
@@ -93,6 +131,7 @@ class Case:
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["window"] = list(self.window)
+        d["lengths"] = list(self.lengths)
         d["label"] = self.label
         return d
 
@@ -107,6 +146,18 @@ def _gpt_oss(family: str, batch: int, seqlen: int) -> list[Case]:
             Case(family, batch, seqlen=seqlen, causal=True, window=(127, 0), **_GPT_OSS)]
 
 
+def packed_case(family: str, lengths, **kw) -> Case:
+    """A packed case of documents of the given lengths."""
+    lengths = tuple(lengths)
+    return Case(family, len(lengths), seqlen=max(lengths), lengths=lengths, **kw)
+
+
+def document_lengths(total: int, docs: int, seed: int = 0) -> tuple[int, ...]:
+    """``docs`` random positive lengths summing to ``total`` (cuts drawn without repeats, seeded)."""
+    cuts = sorted(random.Random(seed).sample(range(1, total), docs - 1))
+    return tuple(b - a for a, b in zip([0] + cuts, cuts + [total]))
+
+
 SUITES = {
     "gpt-oss": lambda: _gpt_oss("gpt-oss", 2, 4096),
     "long": lambda: _gpt_oss("long", 1, 8192) + _gpt_oss("long", 1, 32768),
@@ -118,6 +169,9 @@ SUITES = {
         Case("stages", kv_heads=1, causal=True, window=(255, 0), **_STAGES),           # stage 6
         Case("stages", kv_heads=1, causal=True, window=(255, 0), sink_tokens=4, **_STAGES),  # stage 7
     ],
+    # the gpt-oss patterns on 16 documents of random lengths, 16384 tokens: packed against padded
+    "varlen": lambda: [packed_case("varlen", document_lengths(16384, 16), causal=True, window=w, **_GPT_OSS)
+                       for w in ((-1, -1), (127, 0))],
 }
 SUITE_NAMES = tuple(SUITES) + ("all",)
 
@@ -132,7 +186,8 @@ def suite(name: str) -> list[Case]:
 
 
 def for_cpu(case: Case) -> Case:
-    """A GPU suite case shrunk for a CPU: batch 1, heads / 8, length / 16, window / 8, float32.
+    """A GPU suite case shrunk for a CPU: batch 1 (a packed case keeps its documents, each 1/16 as long),
+    heads / 8, length / 16, window / 8, float32.
 
     The group size ``Hq / Hkv`` is kept where the shrunk head count allows it; the point on a CPU is the
     tiled PyTorch path against eager attention at shapes a laptop finishes in seconds.
@@ -141,8 +196,13 @@ def for_cpu(case: Case) -> Case:
     kv_heads = max(1, heads // max(1, case.heads // case.kv_heads))
     left, right = case.window
     shrink = lambda w: w if w < 0 else max(0, (w + 1) // 8 - 1)  # noqa: E731 - keeps W keys -> W/8 keys
-    return dataclasses.replace(case, batch=1, heads=heads, kv_heads=kv_heads, seqlen=max(64, case.seqlen // 16),
-                               window=(shrink(left), shrink(right)), dtype="float32")
+    if case.packed:
+        lengths = tuple(max(1, n // 16) for n in case.lengths)
+        rows = dict(batch=len(lengths), seqlen=max(lengths), lengths=lengths)
+    else:
+        rows = dict(batch=1, seqlen=max(64, case.seqlen // 16))
+    return dataclasses.replace(case, heads=heads, kv_heads=kv_heads, window=(shrink(left), shrink(right)),
+                               dtype="float32", **rows)
 
 
 def custom(seqlens, *, batch=1, heads=16, kv_heads=None, head_dim=64, causal=False, window=(-1, -1),

@@ -3,7 +3,8 @@
 - The oracle is :func:`gstar.reference.naive_attention`, run in pieces (batch elements, groups of kv
   heads and, for patterns with no key right of the diagonal, blocks of query rows) so that it fits in
   memory at the gpt-oss and long-context shapes; each piece is exact, so the result equals one big call.
-- Time: ``triton.testing.do_bench`` (median) on a GPU; a median of a few wall-clock runs on a CPU.
+- Time: ``triton.testing.do_bench`` (median) on a GPU; on a CPU the median of several wall-clock runs after a
+  warm-up, contenders taking turns (:func:`race_ms`). CPU timings are indicative only.
 - Peak memory: the bytes allocated at the peak of one call beyond what was allocated before it, plus the
   bytes of the inputs the call reads (so "inputs + everything the call needs"). On a GPU this comes from
   ``torch.cuda.max_memory_allocated``; on a CPU from the PyTorch profiler's allocation events (it sees
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import statistics
 import sys
@@ -32,14 +34,17 @@ def make_inputs(case: Case, device, *, seed: int = 0) -> dict:
     """``q, k, v`` (and ``sinks``, ``dout``) for ``case``: standard normal, the same for every implementation.
 
     q: (B, Hq, N, D), k, v: (B, Hkv, N, D) in the case's dtype; sinks: (Hq,) float32 or None;
-    dout: (B, Hq, N, D), the upstream gradient of the backward modes.
+    dout: (B, Hq, N, D), the upstream gradient of the backward modes. A packed case's tensors are
+    (total, H, D) instead.
     """
     g = torch.Generator(device=device).manual_seed(seed)
-    B, Hq, Hkv, N, D = case.batch, case.heads, case.kv_heads, case.seqlen, case.head_dim
     rand = lambda *shape: torch.randn(*shape, generator=g, device=device, dtype=torch.float32)  # noqa: E731
-    dt = case.torch_dtype
-    return {"q": rand(B, Hq, N, D).to(dt), "k": rand(B, Hkv, N, D).to(dt), "v": rand(B, Hkv, N, D).to(dt),
-            "sinks": rand(Hq) if case.sinks else None, "dout": rand(B, Hq, N, D).to(dt)}
+
+    def tokens(heads):  # (B, H, N, D), or (total, H, D) packed
+        shape = (case.tokens, heads) if case.packed else (case.batch, heads, case.seqlen)
+        return rand(*shape, case.head_dim).to(case.torch_dtype)
+    return {"q": tokens(case.heads), "k": tokens(case.kv_heads), "v": tokens(case.kv_heads),
+            "sinks": rand(case.heads) if case.sinks else None, "dout": tokens(case.heads)}
 
 
 _BUDGET_RULE = "a quarter of the free GPU memory, at most 4 GiB; 512 MiB on CPU"
@@ -55,8 +60,16 @@ def _budget(device: torch.device) -> int:
 
 def naive_reference(case: Case, inputs: dict, dtype: torch.dtype, *, grads: bool) -> dict:
     """``naive_attention`` of ``inputs`` computed in ``dtype``: ``out`` and, with ``grads``, ``dq dk dv``
-    (and ``dsinks``) for the upstream gradient ``inputs["dout"]``. Results keep ``dtype``.
+    (and ``dsinks``) for the upstream gradient ``inputs["dout"]``. Results keep ``dtype`` and the layout of
+    the inputs.
     """
+    res = _per_document(case, inputs, dtype, grads) if case.packed else _dense(case, inputs, dtype, grads)
+    return {name: x.to(dtype) for name, x in res.items()}
+
+
+def _dense(case: Case, inputs: dict, dtype: torch.dtype, grads: bool) -> dict:
+    """:func:`naive_reference` of a batch of equal lengths, in pieces; ``dk dv dsinks`` stay in the float32 (or
+    wider) sums they are accumulated in."""
     q, k, v, sinks, dout = (inputs[n] for n in ("q", "k", "v", "sinks", "dout"))
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -108,9 +121,29 @@ def naive_reference(case: Case, inputs: dict, dtype: torch.dtype, *, grads: bool
                 del piece, sk, o
     if not grads:
         return {"out": out}
-    res = {"out": out, "dq": dq, "dk": dk.to(dtype), "dv": dv.to(dtype)}
+    res = {"out": out, "dq": dq, "dk": dk, "dv": dv}
     if dsinks is not None:
-        res["dsinks"] = dsinks.to(dtype)
+        res["dsinks"] = dsinks
+    return res
+
+
+def _per_document(case: Case, inputs: dict, dtype: torch.dtype, grads: bool) -> dict:
+    """:func:`naive_reference` of a packed case: each document as a batch of one (docs/design.md section 2),
+    ``dsinks`` summed over the documents in its accumulation dtype."""
+    pieces, dsinks, start = {}, 0, 0
+    for n in case.lengths:
+        doc = dataclasses.replace(case, batch=1, seqlen=n, lengths=())
+        rows = slice(start, start + n)
+        dense = {name: inputs[name][rows].transpose(0, 1)[None] for name in ("q", "k", "v", "dout")}  # (1, H, n, D)
+        for name, x in _dense(doc, dict(dense, sinks=inputs["sinks"]), dtype, grads).items():
+            if name == "dsinks":
+                dsinks = dsinks + x
+            else:
+                pieces.setdefault(name, []).append(x[0].transpose(0, 1))               # (n, H, D)
+        start += n
+    res = {name: torch.cat(xs) for name, xs in pieces.items()}                          # (total, H, D)
+    if grads and inputs["sinks"] is not None:
+        res["dsinks"] = dsinks
     return res
 
 
@@ -143,22 +176,48 @@ def judge_all(got: dict, ref: dict, pt: dict | None) -> list[Verdict]:
     return [judge(name, x, ref[name], None if pt is None else pt[name]) for name, x in got.items()]
 
 
-def time_ms(fn, device: torch.device, *, cpu_runs: int = 3) -> float:
-    """Median milliseconds of ``fn()``: ``triton.testing.do_bench`` on a GPU; on a CPU the wall-clock
-    median of at least ``cpu_runs`` runs after a warm-up (a single cold run when ``cpu_runs == 1``, for
-    callers whose ``fn`` already ran once, such as the Triton interpreter's slow runs).
+CPU_RUNS = (5, 100)  # fewest and most timed runs of each function on a CPU
+CPU_BUDGET_S = 1.0  # a CPU race stops after this many seconds once it has the fewest runs
+
+
+def race_ms(fns, device: torch.device) -> list[float]:
+    """Median milliseconds of each ``fn()`` in ``fns``: ``triton.testing.do_bench`` on a GPU.
+
+    On a CPU every function runs once to warm up (allocator, first-call dispatch), then the functions take
+    turns, one run each per round, for ``CPU_RUNS[0]`` rounds and more while ``CPU_BUDGET_S`` lasts (at most
+    ``CPU_RUNS[1]``): a load that comes and goes on a shared machine slows every contender alike.
     """
     if device.type == "cuda":
         import triton.testing
-        return float(triton.testing.do_bench(fn, return_mode="median"))
-    if cpu_runs > 1:
-        fn()  # warm-up (allocator, first-call dispatch)
-    runs, start = [], time.perf_counter()
-    while len(runs) < cpu_runs or (cpu_runs > 1 and len(runs) < 10 and time.perf_counter() - start < 1.0):
-        t0 = time.perf_counter()
+        return [float(triton.testing.do_bench(fn, return_mode="median")) for fn in fns]
+    for fn in fns:
         fn()
-        runs.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(runs)
+    runs = [[] for _ in fns]
+    start = time.perf_counter()
+    while len(runs[0]) < CPU_RUNS[0] or (len(runs[0]) < CPU_RUNS[1] and time.perf_counter() - start < CPU_BUDGET_S):
+        for fn, times in zip(fns, runs):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return [statistics.median(times) for times in runs]
+
+
+def time_ms(fn, device: torch.device) -> float:
+    """Median milliseconds of ``fn()`` (:func:`race_ms` of one function)."""
+    return race_ms([fn], device)[0]
+
+
+@contextlib.contextmanager
+def one_cpu_thread():
+    """PyTorch on one CPU thread for the block: at small shapes (the CPU stages of ``gstar check``, the reduced
+    suites of ``gstar bench``) a second thread only adds waiting, and on a busy machine, waiting for a thread
+    that is not running, many times slower and erratic timings."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def captured(fn, device: torch.device, stream: torch.cuda.Stream | None = None) -> tuple:

@@ -1,4 +1,5 @@
-"""One adapter per implementation that ``gstar bench`` compares, all fed the same ``(B, H, N, D)`` inputs.
+"""One adapter per implementation that ``gstar bench`` compares (docs/design.md section 5), all fed the same
+``(B, H, N, D)`` inputs.
 
 An adapter says why it cannot run here at all (:meth:`Peer.unavailable`: not importable, needs CUDA) or
 cannot express a case (:meth:`Peer.unsupported`: learned sinks, sink tokens, a window ...); the benchmark
@@ -6,7 +7,9 @@ shows that reason as an ``n/a`` row instead of dropping the peer. :meth:`Peer.bu
 (compilation, block masks, dense masks) outside the timed region and returns ``fn(q, k, v, sinks) -> out``
 with ``q: (B, Hq, N, D)``, ``k, v: (B, Hkv, N, D)``, ``sinks: (Hq,) float32 or None``, ``out: (B, Hq, N, D)``.
 Peers whose native layout is ``(B, N, H, D)`` receive transposed views of ``(B, N, H, D)``-contiguous
-tensors (``layout = "bnhd"``), so no copy happens inside the timed call.
+tensors (``layout = "bnhd"``), so no copy happens inside the timed call. A packed case (the ``varlen`` suite)
+has rows for gstar on the packed tokens and for gstar on the same documents padded into a batch
+(``layout = "padded"``) only.
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ class Peer:
         """Import what the implementation needs (and return its entry point, where it has one)."""
         return None
 
+    def applies(self, case: Case) -> bool:
+        """Whether the benchmark gives this implementation a row on ``case`` (dense cases only by default)."""
+        return not case.packed
+
     def unavailable(self, device: torch.device) -> str | None:
         """Why this implementation cannot run on ``device`` at all, or None."""
         if self.cuda_only and device.type != "cuda":
@@ -75,15 +82,37 @@ class Peer:
 
 
 class Gstar(Peer):
-    """``gstar.flash_attention`` with ``backend="auto"``: Triton on CUDA, the tiled PyTorch path on CPU."""
+    """``gstar.flash_attention`` with ``backend="auto"``: Triton on CUDA, the tiled PyTorch path on CPU; on a
+    packed case ``gstar.flash_attention_varlen`` on the packed ``(total, H, D)`` tokens."""
 
     name = "gstar"
     module = "gstar"
 
+    def applies(self, case):
+        return True
+
     def build(self, case, device):
-        from ..api import flash_attention
+        from ..api import flash_attention, flash_attention_varlen
         kw = dict(causal=case.causal, window=case.window, sink_tokens=case.sink_tokens)
+        if case.packed and self.layout != "padded":
+            cu, n = case.cu_seqlens(device), case.seqlen
+            return lambda q, k, v, sinks: flash_attention_varlen(q, k, v, cu, cu, n, n, sinks=sinks, **kw)
         return lambda q, k, v, sinks: flash_attention(q, k, v, sinks=sinks, **kw)
+
+
+class GstarPadded(Gstar):
+    """``gstar.flash_attention`` on a packed case's documents right-padded into a ``(B, N)`` batch (padded
+    outside the timed call): what packing saves. Right padding leaves every real row's result exact for
+    patterns with no key right of the diagonal; the padded rows' upstream gradient is zero."""
+
+    name = "gstar-padded"
+    layout = "padded"
+
+    def applies(self, case):
+        return case.packed
+
+    def unsupported(self, case, device, mode):
+        return None if case.pattern.right == 0 else "right padding is exact for causal patterns only"
 
 
 class Eager(Peer):
@@ -95,8 +124,8 @@ class Eager(Peer):
         return self._oom_risk(case, device, mode, 1)
 
     def uncapturable(self, case, device, mode):
-        # a capture keeps intermediates that an eager call frees and reuses: the GPT-OSS window fwd+bwd
-        # capture needed 1.5-1.7x the estimate below (H100, benchmarks/results/graph-capture-memory-*.log)
+        # a capture keeps intermediates that an eager call frees and reuses, so it needs more than the estimate
+        # below: twice it (benchmarks/NOTES.md, 'Graph-timed forward+backward')
         return self._oom_risk(case, device, mode, 2)
 
     @staticmethod
@@ -297,7 +326,7 @@ class Fla(Peer):
 
 def all_peers() -> list[Peer]:
     """Every implementation, gstar first (the ratio column divides by its time)."""
-    return [Gstar(), Eager(), Sdpa("flash"), Sdpa("cudnn"), Flex(), FA4(), Fla()]
+    return [Gstar(), GstarPadded(), Eager(), Sdpa("flash"), Sdpa("cudnn"), Flex(), FA4(), Fla()]
 
 
 PEER_NAMES = tuple(p.name for p in all_peers())

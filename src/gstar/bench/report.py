@@ -1,4 +1,6 @@
-"""Where results go: the machine's description, JSON, CSV, and the plot against sequence length."""
+"""Where results go: the machine's description (the card and versions that docs/design.md section 5 asks
+every result to carry), JSON, CSV, the plot against sequence length, and the markdown table of a saved JSON
+(``gstar bench --table``)."""
 
 from __future__ import annotations
 
@@ -77,7 +79,7 @@ def write_json(path: str, payload: dict) -> None:
 
 
 CSV_CASE_FIELDS = ("family", "batch", "heads", "kv_heads", "seqlen", "head_dim", "causal", "window_left",
-                   "window_right", "sink_tokens", "sinks", "dtype")
+                   "window_right", "sink_tokens", "sinks", "dtype", "lengths")
 CSV_ROW_FIELDS = ("impl", "status", "reason", "time_ms", "tflops", "peak_mib", "vs_gstar", "max_error",
                   "memory_floor_ms", "compute_floor_ms", "bound", "floor_pct")
 CSV_ENV_FIELDS = ("card", "driver", "cuda", "torch", "triton", "timing", "date", "command")
@@ -132,3 +134,29 @@ def plot(path: str, rows: list[dict], env: dict, mode: str, metric: str = "tflop
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _cell(row: dict | None) -> str:
+    if row is None:
+        return "-"
+    if row["status"] not in ("ok", "WRONG"):
+        return "n/a"
+    return f"{row['time_ms']:.3f}" + (" (wrong)" if row["status"] == "WRONG" else "")
+
+
+def markdown_table(data: dict) -> str:
+    """The markdown table of a ``gstar bench --json`` file: a line naming the mode, the timing, the card and
+    the versions, then one row per case and one column per implementation (median ms; ``(wrong)`` for a row
+    that missed the correctness bar, ``n/a`` for one not measured, ``-`` for one not run)."""
+    env = data["environment"]
+    impls = list(dict.fromkeys(r["impl"] for r in data["rows"]))
+    cases: dict[str, dict] = {}
+    for r in data["rows"]:
+        cases.setdefault(r["case"]["label"], {})[r["impl"]] = r
+    graphs = ", CUDA graph replays" if env.get("timing") == "graph" else ""
+    partial = " (a run cut short)" if data.get("complete") is False else ""
+    lines = [f"{data['mode']}{graphs}, ms (median), {env.get('card')}, torch {env.get('torch')}, "
+             f"triton {env.get('triton')}{partial}:", "",
+             "| case | " + " | ".join(impls) + " |", "|---" * (len(impls) + 1) + "|"]
+    lines += [f"| {label} | " + " | ".join(_cell(rows.get(i)) for i in impls) + " |" for label, rows in cases.items()]
+    return "\n".join(lines) + "\n"

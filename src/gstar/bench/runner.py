@@ -1,4 +1,5 @@
-"""One row of ``gstar bench``: check an implementation against the oracle, then time it and weigh it.
+"""One row of ``gstar bench``: check an implementation against the oracle with the bar of docs/design.md
+section 4, then time it and weigh it (section 5).
 
 Each row's status is ``ok``, ``WRONG`` (it ran but missed the bar; still timed, so a fast wrong peer is
 visible as such), ``n/a`` (the peer cannot express the case, with the reason), ``OOM`` or ``error``.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..varlen import pad
 from .cases import Case
 from .measure import captured, is_oom, judge_all, nbytes, peak_bytes, time_ms
 from .peers import Peer
@@ -15,23 +17,33 @@ from .peers import Peer
 _NO_KERNEL = ("no available kernel", "no viable backend", "not supported", "unsupported")
 
 
-def _leaves(inputs: dict, layout: str, grads: bool):
-    """``(leaves, views, to_bhnd)``: tensors gradients are taken for, the ``(B, H, N, D)`` views the
-    implementation receives, and how to bring a leaf's gradient back to ``(B, H, N, D)``.
+def _layout(layout: str, case: Case, device: torch.device):
+    """``(leaf, view, back)`` of a peer's input layout: ``leaf(t)`` makes, from an input in the case's layout,
+    the tensor the peer's gradients are taken for; ``view(leaf)`` is what the peer receives, ``(B, H, N, D)``;
+    ``back(x)`` brings a tensor shaped like the views (the output, a gradient's view) to the case's layout.
     """
-    leaves, views = [], []
-    for name in ("q", "k", "v"):
-        t = inputs[name]
-        leaf = (t.transpose(1, 2).contiguous() if layout == "bnhd" else t.clone()).requires_grad_(grads)
-        leaves.append(leaf)
-        views.append(leaf.transpose(1, 2) if layout == "bnhd" else leaf)
+    if layout == "bnhd":  # (B, N, H, D) memory seen as (B, H, N, D)
+        return (lambda t: t.transpose(1, 2).contiguous()), (lambda t: t.transpose(1, 2)), (lambda x: x)
+    if layout == "padded":  # a packed case's (total, H, D) tokens right-padded to (B, N, H, D), seen as (B, H, N, D)
+        mask = case.padding_mask(device)                                  # (B, N)
+        index = mask.flatten().nonzero().squeeze(1)                       # (total,)
+        return ((lambda t: pad(t, index, case.batch, case.seqlen)), (lambda t: t.transpose(1, 2)),
+                (lambda x: x.transpose(1, 2)[mask]))
+    return (lambda t: t.detach()), (lambda t: t), (lambda x: x)  # the case's own layout
+
+
+def _leaves(inputs: dict, layout, grads: bool):
+    """``(leaves, views, dout_view)``: tensors gradients are taken for (q, k, v in the peer's layout, then
+    ``sinks`` if any), the views the implementation receives, and the upstream gradient as a view.
+    """
+    leaf, view, _ = layout
+    leaves = [leaf(inputs[name]).requires_grad_(grads) for name in ("q", "k", "v")]
+    views = [view(t) for t in leaves]
     sinks = inputs["sinks"]
     if sinks is not None:
         sinks = sinks.clone().requires_grad_(grads)
         leaves.append(sinks)
-    views.append(sinks)
-    to_bhnd = (lambda g: g.transpose(1, 2)) if layout == "bnhd" else (lambda g: g)
-    return leaves, views, to_bhnd
+    return leaves, views + [sinks], view(leaf(inputs["dout"]))
 
 
 def _row(peer: Peer, case: Case, status: str, reason: str | None = None, **measured) -> dict:
@@ -83,11 +95,11 @@ def run_row(peer: Peer, case: Case, mode: str, inputs: dict, ref: dict, pt: dict
     if reason:
         return _row(peer, case, "n/a", reason)
     grads = mode != "fwd"
-    dout = inputs["dout"]
     try:
         fn = peer.build(case, device)
-        leaves, views, to_bhnd = _leaves(inputs, peer.layout, grads)
-        dout_view = to_bhnd(to_bhnd(dout).contiguous()) if peer.layout == "bnhd" else dout
+        layout = _layout(peer.layout, case, device)
+        view, back = layout[1], layout[2]
+        leaves, views, dout_view = _leaves(inputs, layout, grads)
 
         def forward():
             return fn(*views)
@@ -101,13 +113,13 @@ def run_row(peer: Peer, case: Case, mode: str, inputs: dict, ref: dict, pt: dict
 
         if grads:  # one forward with autograd serves both checks (one compilation for compiled peers)
             out = forward()
-            got = {"out": out.detach()}
+            got = {"out": back(out.detach())}
             names = ("dq", "dk", "dv", "dsinks")
-            got.update({n: to_bhnd(g) if n != "dsinks" else g
+            got.update({n: back(view(g)) if n != "dsinks" else g
                         for n, g in zip(names, torch.autograd.grad(out, leaves, dout_view))})
             del out
         else:
-            got = {"out": forward_only()}
+            got = {"out": back(forward_only())}
         checks = judge_all(got, ref, pt)
         del got
         held = nbytes(*leaves) + (nbytes(dout_view) if grads else 0)

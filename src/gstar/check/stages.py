@@ -1,10 +1,12 @@
 """The ten stages of ``gstar check`` and their shapes.
 
-GPU shapes follow the original nine-stage autograder (stages 3-5 and 8 are its shapes; the windowed
-stages use a 256-key window, ``window=(255, 0)``, and 4 sink tokens as in its stage 9); stage 10 is
-GPT-OSS. CPU shapes are small and odd so that the Triton interpreter finishes in a few minutes; the
-interpreter is unreliable for bfloat16, so CPU stages use float16 and float32 (float32 is judged by
-relative error < 1e-4, the others by 2x / 3x PyTorch's own error). Shapes are ``(B, Hq, Hkv, N, D)``.
+Stages 1-9 build up from tiled attention in PyTorch to the Triton backward with GQA, a sliding window and
+sink tokens; stage 10 is GPT-OSS (learned sinks). GPU shapes are the reference cases of docs/design.md
+section 5 (the ``stages`` suite of ``gstar bench``): the windowed stages use a 256-key window,
+``window=(255, 0)``, and 4 sink tokens. CPU shapes are small and odd, so that the Triton interpreter gets
+through them in under a minute of CPU time; the interpreter is unreliable for bfloat16, so CPU stages use
+float16 and float32 (float32 is judged by relative error < 1e-4, the others by 2x / 3x PyTorch's own
+error). Shapes are ``(B, Hq, Hkv, N, D)``.
 
 =====  =============================  ============================================  ============================
 stage  what                           GPU shapes (bf16)                             CPU shapes (interpreter)
@@ -29,7 +31,8 @@ stage  what                           GPU shapes (bf16)                         
 =====  =============================  ============================================  ============================
 
 Each stage's speed and memory are measured on its last shape, forward only for stages 1-7 and forward
-plus backward for stages 8-10.
+plus backward for stages 8-10. On a CPU a stage run by the Triton interpreter is checked but not raced: the
+interpreter is no speed measurement.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ def _c(b, hq, hkv, n, d, dtype="bfloat16", **pattern) -> Case:
     return Case("check", b, hq, hkv, n, d, dtype=dtype, **pattern)
 
 
-_LADDER = ((1, 8, 512), (1, 8, 1024), (1, 16, 2048), (1, 16, 4096))  # (B, H, N) of the original stages 3-5
+_LADDER = ((1, 8, 512), (1, 8, 1024), (1, 16, 2048), (1, 16, 4096))  # (B, H, N) of the GPU cases of stages 3-5
 _W, _S = (255, 0), 4
 _CPU_WIN = (("float16", 4, 2, 96, 16, (31, 0)), ("float16", 4, 1, 160, 32, (47, 0)))
 

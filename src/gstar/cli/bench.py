@@ -1,12 +1,14 @@
 """``gstar bench``: gstar against its peers, same inputs, same process, checked before timed.
 
-Suites (docs/design.md section 5): ``gpt-oss``, ``long``, ``fa``, ``stages``, ``all``; or one custom case per
-``--seqlen`` from the shape flags. Implementations: gstar, eager (Hugging Face GPT-OSS style), SDPA flash
-and cuDNN, compiled FlexAttention, and FlashAttention-4 / fla when importable. Every row is checked against
-the naive oracle with the correctness bar before it is timed; a peer that cannot express a case shows as
-``n/a (reason)``. Times are of calls made from Python (host time included), or with ``--timing graph`` of
-replays of each call captured in a CUDA graph (the kernels alone). On a CPU-only machine it compares
-gstar's tiled PyTorch path with eager attention at reduced shapes (kernel timings need a GPU).
+Suites (docs/design.md section 5): ``gpt-oss``, ``long``, ``fa``, ``stages``, ``varlen``, ``all``; or one custom
+case per ``--seqlen`` from the shape flags. Implementations: gstar, eager (Hugging Face GPT-OSS style), SDPA
+flash and cuDNN, compiled FlexAttention, and FlashAttention-4 / fla when importable; the ``varlen`` suite
+compares gstar on packed documents with gstar on the same documents padded into a batch. Every row is checked
+against the naive oracle with the correctness bar before it is timed; a peer that cannot express a case
+shows as ``n/a (reason)``. Times are of calls made from Python (host time included), or with ``--timing
+graph`` of replays of each call captured in a CUDA graph (the kernels alone). On a CPU-only machine gstar
+runs its tiled PyTorch path (the suites at reduced shapes); kernel timings need a GPU. ``--table`` prints
+the markdown tables of saved ``--json`` results instead of running anything.
 
 This module is imported while the parser is built: it must not import triton or ``gstar.kernels``.
 """
@@ -14,6 +16,8 @@ This module is imported while the parser is built: it must not import triton or 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import sys
 
@@ -36,7 +40,9 @@ def _impl_list(text: str) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``gstar bench``."""
     parser.add_argument("--suite", choices=SUITE_NAMES, default="gpt-oss",
-                        help="reference shapes of docs/design.md section 5 (default: gpt-oss)")
+                        help="reference shapes of docs/design.md section 5 (default: gpt-oss); varlen: gstar on "
+                             "16 packed documents (16384 tokens, GPT-OSS heads) against the same documents padded "
+                             "into a batch")
     parser.add_argument("--mode", choices=MODES, default="fwd",
                         help="time the forward, the backward alone, or both (default: fwd)")
     parser.add_argument("--timing", choices=("eager", "graph"), default="eager",
@@ -65,14 +71,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--plot", metavar="FILE.png", help="plot against sequence length (needs matplotlib)")
     out.add_argument("--plot-metric", choices=("tflops", "time"), default="tflops", help="y axis of --plot")
     out.add_argument("--roofline", metavar="FILE", help="roofline JSON of the card (default: the one "
-                     "`gstar roofline` stored for this card, if any) for the memory / compute floor columns")
+                     "'gstar roofline' stored for this card, if any) for the memory / compute floor columns")
+    out.add_argument("--table", nargs="+", metavar="FILE.json",
+                     help="print the markdown tables (ms per case and implementation) of results saved with --json, "
+                          "one per file, and exit: nothing is run, no GPU needed")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+
+
+def _custom(args) -> bool:
+    """Whether shape flags replace the suite."""
+    return any(getattr(args, f) is not None for f in _SHAPE_FLAGS)
 
 
 def cases_from_args(args, device_type: str):
     """The cases to run: the custom shape when any shape flag is given, else the suite (shrunk on CPU)."""
     from ..bench import cases
-    if any(getattr(args, f) is not None for f in _SHAPE_FLAGS):
+    if _custom(args):
         dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(args.dtype, args.dtype)
         return cases.custom(args.seqlen or [1024], batch=args.batch or 1, heads=args.heads or 16,
                             kv_heads=args.kv_heads, head_dim=args.head_dim or 64, causal=bool(args.causal),
@@ -87,6 +101,7 @@ def _fmt(x, spec):
 
 
 def _table(rows, mode, timing, console):
+    from rich.markup import escape
     from rich.table import Table
     has_floor = any(r.get("floor_pct") is not None for r in rows)
     mem_what = "fwd" if mode == "fwd" else "fwd+bwd"
@@ -108,7 +123,7 @@ def _table(rows, mode, timing, console):
         last = r["case"]["label"]
         status = r["status"] if not r["reason"] else f"{r['status']} ({r['reason']})"
         style = {"ok": None, "WRONG": "bold red", "error": "red", "OOM": "yellow"}.get(r["status"], "dim")
-        cells = [label, r["impl"], status, _fmt(r["time_ms"], ".3f"), _fmt(r["tflops"], ".3g"),
+        cells = [escape(label), r["impl"], escape(status), _fmt(r["time_ms"], ".3f"), _fmt(r["tflops"], ".3g"),
                  _fmt(r["peak_mib"], ".1f"), _fmt(r["vs_gstar"], ".2f") + ("x" if r["vs_gstar"] else "")]
         if has_floor:
             cells += [_fmt(r.get("memory_floor_ms"), ".3g"), _fmt(r.get("compute_floor_ms"), ".3g"),
@@ -128,49 +143,71 @@ def _add_floors(row: dict, case, mode: str, card: dict) -> None:
                floor_pct=f["pct_of_floor"])
 
 
+def _print_tables(paths) -> int:
+    """``--table``: each file's markdown table on stdout; 2 when a file cannot be read as bench results."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from ..bench.report import markdown_table
+    for path in paths:
+        try:
+            with open(path) as f:
+                print(markdown_table(json.load(f)))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            Console(stderr=True, soft_wrap=True).print(f"[red]gstar bench --table: {escape(path)}: {escape(str(exc))}")
+            return 2
+    return 0
+
+
 def run(args) -> int:
-    """Run the benchmark; exit status 1 when gstar itself is WRONG or fails on some case, else 0."""
+    """Run the benchmark (or print --table); exit status 1 when gstar itself (packed or padded) is WRONG or
+    fails on some case, 2 for a usage error, else 0."""
+    if args.table:
+        return _print_tables(args.table)
     import torch
     cuda = torch.cuda.is_available()
     if not cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..bench import peers as peer_mod
     from ..bench import report
-    from ..bench.measure import make_inputs, references
+    from ..bench.measure import make_inputs, one_cpu_thread, references
     from ..bench.runner import NOT_CAPTURABLE, add_ratios, first_line, not_measured, run_row
 
     console = Console(stderr=True, soft_wrap=True)
     device = torch.device("cuda" if cuda else "cpu")
+    reduced = not cuda and not _custom(args)  # the suite shrunk for a CPU (bench.cases.for_cpu)
     if args.timing == "graph" and not cuda:
         console.print("[red]gstar bench: --timing graph replays CUDA graphs and needs a GPU")
         return 2
     try:
         cases = cases_from_args(args, device.type)
     except ValueError as exc:
-        console.print(f"[red]gstar bench: {exc}")
+        console.print(f"[red]gstar bench: {escape(str(exc))}")
         return 2
     if args.plot:
         try:
             import matplotlib  # noqa: F401 - fail before the run, not after it
         except ImportError:
-            console.print("[red]gstar bench: --plot needs matplotlib (pip install 'gstar[bench]')")
+            console.print("[red]gstar bench: --plot needs matplotlib: " + escape("pip install 'gstar[bench]'"))
             return 2
     chosen = [p for p in peer_mod.all_peers() if p.name in args.impls]
     env = report.environment(device, modules=[p.module for p in chosen])
     env["timing"] = args.timing
     if cuda:
-        console.print(f"gstar bench on {env['card']} (driver {env['driver']}, CUDA {env['cuda']}, "
-                      f"torch {env['torch']}, triton {env['triton']})")
+        console.print(escape(f"gstar bench on {env['card']} (driver {env['driver']}, CUDA {env['cuda']}, "
+                             f"torch {env['torch']}, triton {env['triton']})"))
     else:
-        console.print("[yellow]No GPU: comparing gstar's tiled PyTorch path with eager attention at reduced "
-                      "shapes (CPU timings); kernel timings need a GPU.")
+        shapes = ", the suite at reduced shapes" if reduced else ""
+        console.print(f"[yellow]No GPU: gstar runs its tiled PyTorch path{shapes}. CPU timings are indicative "
+                      "only; kernel timings need a GPU.")
     from ..roofline import load
     card = load(args.roofline) if args.roofline else (load() if cuda else None)
     if cuda and card is None:
-        console.print("no roofline stored for this card (run `gstar roofline`): floors not shown")
+        console.print("no roofline stored for this card (run 'gstar roofline'): floors not shown")
     rows, warned = [], False
 
     def save_json(complete: bool) -> None:
@@ -180,9 +217,11 @@ def run(args) -> int:
             "tool": "gstar bench", "suite": None if rows and rows[0]["case"]["family"] == "custom" else args.suite,
             "mode": args.mode, "complete": complete, "environment": env, "roofline": card, "rows": rows})
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as progress:
-        task = progress.add_task("bench", total=len(cases) * len(chosen))
+    total = sum(p.applies(case) for case in cases for p in chosen)
+    with one_cpu_thread() if reduced else contextlib.nullcontext(), \
+            Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                     console=console, transient=True) as progress:
+        task = progress.add_task("bench", total=total)
         for case in cases:
             progress.update(task, description=f"{case.label}: reference")
             inputs = make_inputs(case, device, seed=args.seed)
@@ -192,7 +231,7 @@ def run(args) -> int:
             except Exception as exc:  # e.g. too little free memory for the oracle: the case's rows say why
                 ref = pt = None
                 missing = f"no reference: {first_line(exc, 160)}"
-            for peer in chosen:
+            for peer in (p for p in chosen if p.applies(case)):
                 progress.update(task, description=f"{case.label}: {peer.name}")
                 row = (not_measured(peer, case, missing) if missing
                        else run_row(peer, case, args.mode, inputs, ref, pt, device, args.timing))
@@ -204,10 +243,10 @@ def run(args) -> int:
                     warned = True
                     console.print(f"[yellow]{peer.name} failed a CUDA graph capture: in torch 2.11 a failed "
                                   "capture can keep GPU memory for the rest of the process, so later rows may "
-                                  "run out of memory; time it in a `gstar bench --impls` call of its own")
+                                  "run out of memory; time it in a 'gstar bench --impls' call of its own")
                 if not console.is_terminal:  # logs get a line per row where the live bar cannot draw
                     done = f"{row['time_ms']:.3f} ms" if row["time_ms"] else row["reason"] or ""
-                    console.print(f"[{len(rows)}/{len(cases) * len(chosen)}] {case.label}: {peer.name} "
+                    console.print(f"[{len(rows)}/{total}] {case.label}: {peer.name} "
                                   f"{row['status']} {done}", highlight=False, markup=False)
             del inputs, ref, pt
             if args.json:
@@ -220,5 +259,6 @@ def run(args) -> int:
         report.write_csv(args.csv, rows, env, args.mode)
     if args.plot:
         report.plot(args.plot, rows, env, args.mode, args.plot_metric)
-    bad = [r for r in rows if r["impl"] == "gstar" and r["status"] in ("WRONG", "error")]
+    ours = {p.name for p in chosen if isinstance(p, peer_mod.Gstar)}
+    bad = [r for r in rows if r["impl"] in ours and r["status"] in ("WRONG", "error")]
     return 1 if bad else 0

@@ -1,11 +1,11 @@
-"""``gstar roofline``: measure this GPU's memory and matmul ceilings and store them for ``gstar bench``.
+"""``gstar roofline``: measure this GPU's memory and matmul ceilings and store them for ``gstar bench``
+(docs/design.md section 5).
 
 Times a device-to-device copy, the three primers (``vector_add``, ``matrix_add`` in CUDA C++,
 ``weighted_row_sum`` in Triton) on 1 GiB buffers and a bfloat16 8192^3 matmul, prints a table and writes
 ``benchmarks/results/roofline-<card>.json`` (see :mod:`gstar.roofline` for the format).
 
-Without a CUDA device it prints that a GPU is needed and exits with status 0: there is nothing to measure,
-which is not a failure (CPU-only CI runs it as a smoke test).
+Without a CUDA device it says that a GPU is required and exits with status 1: nothing was measured.
 """
 
 from __future__ import annotations
@@ -47,17 +47,17 @@ def _table(result: dict):
 
 
 def run(args: argparse.Namespace) -> int:
-    """Measure, print, save. Returns 0 (also when there is no GPU: then it only says so)."""
+    """Measure, print, save. Returns 0, or 1 without a GPU (nothing measured), 2 for bad options."""
     import torch
     from rich.console import Console
 
-    console = Console()
+    console, errors = Console(), Console(stderr=True)
     if not torch.cuda.is_available():
-        console.print("gstar roofline needs a CUDA GPU, and torch sees none (torch.cuda.is_available() is "
-                      "False): nothing measured.")
-        return 0
+        errors.print("[red]gstar roofline: a CUDA GPU is required, and torch sees none "
+                      "(torch.cuda.is_available() is False): nothing measured.")
+        return 1
     if args.gib <= 0 or args.matmul_n <= 0:
-        console.print("[red]--gib and --matmul-n must be positive[/red]")
+        errors.print("[red]gstar roofline: --gib and --matmul-n must be positive[/red]")
         return 2
     from .. import roofline
 
