@@ -1,4 +1,15 @@
-"""gstar: FlashAttention in Python and Triton for causal, GQA, sliding-window and sink attention."""
+"""gstar: exact, memory-efficient attention (FlashAttention) in Python and Triton, forward and backward, for
+causal masks, GQA, sliding windows, sink tokens and learned sinks, on dense and packed batches.
+
+- :func:`flash_attention`: ``(B, H, N, D)`` batches (Triton on CUDA tensors, tiled PyTorch on CPU ones);
+- :func:`flash_attention_varlen`: packed ``(total, H, D)`` sequences with ``cu_seqlens`` (flash-attn's layout);
+  :func:`cu_seqlens_from_mask`, :func:`cu_seqlens_from_position_ids`, :func:`unpad`, :func:`pad` and
+  :func:`check_cu_seqlens_values` prepare them;
+- :func:`tiled_attention`: the PyTorch path on any device; :func:`naive_attention`: the oracle;
+- ``import gstar.integrations.transformers``: ``attn_implementation="gstar"`` for Hugging Face models.
+
+The rule and the conventions are in docs/design.md; examples/quickstart.py runs each entry point.
+"""
 
 from .api import check_cu_seqlens_values, flash_attention, flash_attention_varlen, tiled_attention
 from .reference import naive_attention

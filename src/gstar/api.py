@@ -148,12 +148,12 @@ def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
             float32 (float64 too with ``backend="torch"``); any strides with a unit last stride.
             ``Hq % Hkv == 0``: query head ``h`` reads kv head ``h // (Hq // Hkv)`` (GQA/MQA).
         causal: key ``j`` visible to query ``i`` only if ``j <= p(i)``, with ``p(i) = i + Nk - Nq``
-            (bottom-right alignment). Same as ``window=(left, 0)``.
+            (bottom-right alignment): it sets the window's right bound to 0.
         window: ``(left, right)``, inclusive, ``-1`` = unbounded: ``p(i) - left <= j <= p(i) + right``.
             Hugging Face ``sliding_window=W`` is ``window=(W - 1, 0)``.
         sink_tokens: the first ``S`` keys ignore the window's left bound (StreamingLLM).
-        sinks: ``(Hq,)`` learned sink logits (GPT-OSS ``s_aux``), added to each row's softmax denominator
-            as ``exp(sinks[h])`` (not scaled). Gradients flow to them.
+        sinks: ``(Hq,)`` learned sink logits (GPT-OSS ``s_aux``), any float dtype, added to each row's
+            softmax denominator as ``exp(sinks[h])`` (not scaled). Gradients flow to them, in their dtype.
         scale: multiplies ``q . k``; default ``D ** -0.5``.
         return_lse: also return the natural-log logsumexp of each row, ``(B, Hq, Nq)`` float32, sink term
             included; ``-inf`` (or ``sinks[h]``) for rows that see no key.
@@ -167,7 +167,8 @@ def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
         1 1 1 1 1    1 . . 1 1
 
     Rows with no visible key return zeros. Returns ``out`` ``(B, Hq, Nq, D)`` in q's dtype and memory
-    layout, or ``(out, lse)`` with ``return_lse=True``.
+    layout, or ``(out, lse)`` with ``return_lse=True``. Bad arguments raise ``ValueError`` or ``TypeError``
+    naming the argument.
     """
     options = normalize(q, k, v, causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks,
                         scale=scale, backend=backend, return_lse=return_lse)
@@ -309,7 +310,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     k, v, sinks and the LSE. One kernel launch per pass covers every sequence (the Triton kernels read
     ``cu_seqlens`` on the device). Outside ``torch.compile`` and CUDA graph capture the values of
     ``cu_seqlens`` are checked on the host first (one device sync on CUDA) unless
-    ``check_cu_seqlens=False``; inside a compiled or captured graph they are trusted.
+    ``check_cu_seqlens=False``; inside a compiled or captured graph they are trusted. Bad arguments raise
+    ``ValueError`` or ``TypeError`` naming the argument.
     """
     options = normalize_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, window=window,
