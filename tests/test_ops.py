@@ -47,10 +47,9 @@ def _detached(*ts):
     return [None if t is None else t.detach() for t in ts]
 
 
-def _options(pattern, q, k, backend, max_lengths=None):
-    left, right, sink_tokens = PATTERNS[pattern]
-    nq, nk = max_lengths or (q.shape[2], k.shape[2])
-    return ops.Options(nq=nq, nk=nk, left=left, right=right, sink_tokens=sink_tokens, scale=0.3, backend=backend)
+def _options(pattern, q, k, backend, max_lengths=None) -> tuple:
+    """The operators' non-tensor arguments: nq, nk, left, right, sink_tokens, scale, backend."""
+    return (*(max_lengths or (q.shape[2], k.shape[2])), *PATTERNS[pattern], 0.3, backend)
 
 
 def _opcheck(q, k, v, s, cu_q, cu_k, options):

@@ -136,7 +136,7 @@ def normalize(q, k, v, *, causal, window, sink_tokens, sinks, scale, backend, re
         q, Hq, D, causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks, scale=scale,
         backend=backend, return_lse=return_lse)
     pattern = Pattern.make(q.shape[2], k.shape[2], causal=causal, window=window, sink_tokens=sink_tokens)
-    return ops.Options.of(pattern, scale, backend)
+    return ops.Options(pattern, scale, backend)
 
 
 def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, sinks=None, scale=None,
@@ -264,7 +264,7 @@ def normalize_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     lengths = [m if isinstance(m, torch.SymInt) else int(m) for m in (max_seqlen_q, max_seqlen_k)]
     pattern = Pattern.make(*lengths, causal=causal, window=window, sink_tokens=sink_tokens)
-    return ops.Options.of(pattern, scale, backend)
+    return ops.Options(pattern, scale, backend)
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,

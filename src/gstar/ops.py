@@ -44,37 +44,30 @@ class Inputs(NamedTuple):
 
 
 class Options(NamedTuple):
-    """The non-tensor arguments of one call, normalised by :mod:`gstar.api`: the fields of its
-    :class:`Pattern` (``nq``, ``nk`` are the longest sequences when packed), the scale and the backend."""
+    """The non-tensor arguments of one call, normalised by :mod:`gstar.api`."""
 
-    nq: int
-    nk: int
-    left: int                                # window bounds, -1 = unbounded (causal is right = 0)
-    right: int
-    sink_tokens: int
+    pattern: Pattern                         # the rule; when packed, nq and nk are the longest sequences
     scale: float
     backend: str                             # "triton" or "torch"
 
-    @staticmethod
-    def of(pattern: Pattern, scale: float, backend: str) -> Options:
-        return Options(nq=pattern.nq, nk=pattern.nk, left=pattern.left, right=pattern.right,
-                       sink_tokens=pattern.sink_tokens, scale=scale, backend=backend)
 
-    @property
-    def pattern(self) -> Pattern:
-        return Pattern(self.nq, self.nk, self.left, self.right, self.sink_tokens)
+# The operators' schema is flat (it takes no tuples): the fields of Inputs, then those of the pattern, the
+# scale and the backend. _op_args and _named are the only code that knows these positions.
+_OPTION_ARGS = "SymInt nq, SymInt nk, SymInt left, SymInt right, SymInt sink_tokens, float scale, str backend"
+_ARGS = f"Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, {_OPTION_ARGS}"
 
 
-# The operators' arguments are the fields of Inputs, then those of Options (a schema takes no tuples);
-# _named is the one function that reads them back by name.
-_ARGS = ("Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
-         "SymInt nq, SymInt nk, SymInt left, SymInt right, SymInt sink_tokens, float scale, str backend")
+def _op_args(inputs: Inputs, options: Options) -> tuple:
+    """Names to the operators' positional arguments."""
+    p = options.pattern
+    return (*inputs, p.nq, p.nk, p.left, p.right, p.sink_tokens, options.scale, options.backend)
 
 
 def _named(args: tuple) -> tuple[Inputs, Options]:
-    """An operator's ``(*inputs, *options)`` arguments by name."""
-    n = len(Inputs._fields)
-    return Inputs._make(args[:n]), Options._make(args[n:])
+    """The operators' positional arguments to names (the inverse of :func:`_op_args`)."""
+    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, nq, nk, left, right, sink_tokens, scale, backend = args
+    return (Inputs(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k),
+            Options(Pattern(nq, nk, left, right, sink_tokens), scale, backend))
 
 
 @functools.cache  # imported on first use (the kernels import triton), then looked up for free
@@ -224,12 +217,12 @@ def _gradients(ctx, dout, dlse) -> Inputs:
 
 
 def _backward_through_op(dout, out, lse, dlse, inputs: Inputs, options: Options):
-    return backward_op(dout, out, lse, dlse, *inputs, *options)
+    return backward_op(dout, out, lse, dlse, *_op_args(inputs, options))
 
 
 def _op_gradients(ctx, dout, dlse):
-    """One gradient per operator argument: the tensors' by name, None for every option."""
-    return (*_gradients(ctx, dout, dlse), *(None for _ in Options._fields))
+    """One gradient per operator argument: the tensors' by name, None for each of _OPTION_ARGS."""
+    return (*_gradients(ctx, dout, dlse), *[None] * len(_OPTION_ARGS.split(", ")))
 
 
 forward_op.register_autograd(_op_gradients, setup_context=lambda ctx, inputs, output: _save(
@@ -257,5 +250,5 @@ def attention(q, k, v, sinks, options: Options, cu_seqlens_q=None, cu_seqlens_k=
     :class:`Inputs` and :func:`_forward`): the ``gstar::attention_forward`` operator while
     ``torch.compile`` traces, the same functions through a plain ``autograd.Function`` otherwise."""
     if torch.compiler.is_compiling():
-        return forward_op(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, *options)
+        return forward_op(*_op_args(Inputs(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k), options))
     return _Eager.apply(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, options)
