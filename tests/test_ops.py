@@ -86,8 +86,10 @@ def test_fake_outputs_match_real_layouts(device):
     s = torch.randn(4, device=device, dtype=torch.bfloat16)
     qp, kp, vp, _, cu_q, cu_k, max_q, max_k = _packed(device, False)
     kp, vp = (torch.cat([t, t], dim=1)[:, ::2] for t in (kp.detach(), vp.detach()))  # strided heads
-    cases = [((q, k, v, s, None, None), _options("full", q, k, "torch")),
-             ((qp.detach(), kp, vp, s, cu_q, cu_k), _options("full", qp, kp, "torch", (max_q, max_k)))]
+    cases = [((q, k, v, s, None, None), _options("full", q, k, backend))
+             for backend in _backends(device)]
+    cases += [((qp.detach(), kp, vp, s, cu_q, cu_k), _options("full", qp, kp, backend, (max_q, max_k)))
+              for backend in _backends(device)]
     for tensors, options in cases:
         real = ops.forward_op(*tensors, *options)
         grads = ops.backward_op(torch.randn_like(real[0]), *real, None, *tensors, *options)

@@ -169,19 +169,26 @@ def _imported_names(path: Path):
             yield from ([f"gstar.{node.module}"] if node.module else [f"gstar.{a.name}" for a in node.names])
 
 
+# Loads gstar.reference without the package's __init__ (which imports the API), then prints the file of every
+# gstar or triton module that came with it.
+LOAD_REFERENCE_ALONE = """
+import importlib.util, json, sys, types
+package = types.ModuleType("gstar")
+package.__path__ = list(importlib.util.find_spec("gstar").submodule_search_locations)
+sys.modules["gstar"] = package
+import gstar.reference
+print(json.dumps({m: getattr(sys.modules[m], "__file__", None) for m in sys.modules
+                  if m.split(".")[0] in ("gstar", "triton")}))
+"""
+
+
 def test_reference_imports_neither_the_api_nor_the_kernels():
-    """The oracle and the PyTorch path stand apart from what they judge: loading gstar.reference (without the
-    package's ``__init__``, which imports the API) pulls in neither gstar.api, gstar.ops, gstar.kernels nor
-    triton, and no import statement of the gstar modules it loads names them, not even inside a function."""
+    """The oracle and the PyTorch path stand apart from what they judge: gstar.reference pulls in neither
+    gstar.api, gstar.ops, gstar.kernels nor triton, and no import statement of the gstar modules it loads
+    names them, not even inside a function."""
     forbidden = ("gstar.api", "gstar.ops", "gstar.kernels", "triton")
-    code = ("import importlib.util, json, sys, types\n"
-            "package = types.ModuleType('gstar')\n"
-            "package.__path__ = list(importlib.util.find_spec('gstar').submodule_search_locations)\n"
-            "sys.modules['gstar'] = package\n"
-            "import gstar.reference\n"
-            "print(json.dumps({m: getattr(sys.modules[m], '__file__', None) for m in sys.modules\n"
-            "                  if m.split('.')[0] in ('gstar', 'triton')}))\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", LOAD_REFERENCE_ALONE], capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == 0, result.stderr
     loaded = json.loads(result.stdout)
     assert "gstar.reference" in loaded and not set(forbidden) & set(loaded), sorted(loaded)
