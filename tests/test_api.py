@@ -1,8 +1,14 @@
 """gstar.flash_attention's public surface: every bad input of docs/design.md section 2 raises the documented
-error naming the argument, empty inputs return empty results, and the output follows q's layout."""
+error naming the argument, empty inputs return empty results, the output follows q's layout, and the
+package imports light and runs its quickstart example."""
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,7 +29,12 @@ BAD = [
     ("k/v length mismatch", lambda q, k, v: dict(v=v[:, :, :5]), ValueError, "k and v must have the same"),
     ("Hq % Hkv", lambda q, k, v: dict(k=k[:, :1].expand(1, 3, 11, 8), v=v[:, :1].expand(1, 3, 11, 8)),
      ValueError, "multiple of kv heads"),
+    ("head dim 0", lambda q, k, v: dict(q=q[..., :0], k=k[..., :0], v=v[..., :0]), ValueError,
+     "q head dim (q.shape[-1]) must be >= 1, got 0"),
+    ("head dim 0, scale given", lambda q, k, v: dict(q=q[..., :0], k=k[..., :0], v=v[..., :0], scale=1.0),
+     ValueError, "q head dim (q.shape[-1]) must be >= 1, got 0"),
     ("head dim k", lambda q, k, v: dict(k=k[..., :4]), ValueError, "k head dim"),
+    ("head dim k 0", lambda q, k, v: dict(k=k[..., :0]), ValueError, "k head dim must equal q head dim 8, got 0"),
     ("head dim v", lambda q, k, v: dict(v=v[..., :4]), ValueError, "v head dim"),
     ("dtype mismatch", lambda q, k, v: dict(k=k.half()), TypeError, "share a dtype"),
     ("integer dtype", lambda q, k, v: dict(q=q.int(), k=k.int(), v=v.int()), TypeError, "float16, bfloat16"),
@@ -37,8 +48,13 @@ BAD = [
     ("sinks rank", lambda q, k, v: dict(sinks=torch.zeros(1, 4)), ValueError, "sinks must have 1 dims"),
     ("sinks dtype", lambda q, k, v: dict(sinks=torch.zeros(4, dtype=torch.int64)), TypeError, "floating-point"),
     ("causal type", lambda q, k, v: dict(causal="yes"), TypeError, "causal must be a bool"),
+    ("causal numpy bool", lambda q, k, v: dict(causal=np.bool_(True)), TypeError,
+     "causal must be a bool, got numpy.bool"),
+    ("return_lse type", lambda q, k, v: dict(return_lse="no"), TypeError, "return_lse must be a bool, got str"),
     ("scale type", lambda q, k, v: dict(scale="0.1"), TypeError, "scale must be a finite float"),
     ("scale nan", lambda q, k, v: dict(scale=math.nan), TypeError, "scale must be a finite float"),
+    ("scale beyond float", lambda q, k, v: dict(scale=10**400), TypeError, "scale must be a finite float"),
+    ("scale tensor", lambda q, k, v: dict(scale=torch.tensor(0.5)), TypeError, "scale must be a finite float"),
     ("backend", lambda q, k, v: dict(backend="cuda"), ValueError, "backend must be one of"),
 ]
 
@@ -55,8 +71,58 @@ def test_bad_input_raises_clear_error(name, change, exc, text):
 
 def test_head_dim_limit_for_triton(device):
     q, k, v = (t.to(device) for t in qkv(d=264))
-    with pytest.raises(ValueError, match="head dim must be between 1 and 256"):
+    with pytest.raises(ValueError, match="q head dim must be between 1 and 256"):
         gstar.flash_attention(q, k, v, backend="triton")
+
+
+ENTRY_POINTS = {
+    "dense": lambda q, k, v, **kw: gstar.flash_attention(q, k, v, **kw),
+    "varlen": lambda q, k, v, **kw: gstar.flash_attention_varlen(
+        q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), torch.tensor([0, 9], dtype=torch.int32),
+        torch.tensor([0, 11], dtype=torch.int32), 9, 11, **kw),
+    "tiled": lambda q, k, v, backend: gstar.tiled_attention(q, k, v),
+}
+
+
+@pytest.mark.parametrize("entry,backend", [(e, b) for e in ("dense", "varlen") for b in ("auto", "torch", "triton")]
+                         + [("tiled", "torch")])
+def test_head_dim_zero_raises_value_error_everywhere(entry, backend):
+    """D = 0 would divide by zero in the default scale ``D ** -0.5``: every entry point and backend refuses it
+    first, naming q's head dim."""
+    q, k, v = qkv(d=0)
+    with pytest.raises(ValueError, match=r"q head dim \(q.shape\[-1\]\) must be >= 1, got 0"):
+        ENTRY_POINTS[entry](q, k, v, backend=backend)
+
+
+def test_numpy_scalars_are_accepted():
+    q, k, v = qkv()
+    want = gstar.flash_attention(q, k, v, window=(3, 0), sink_tokens=1, scale=0.25)
+    got = gstar.flash_attention(q, k, v, window=(np.int64(3), np.int32(0)), sink_tokens=np.int64(1),
+                                scale=np.float32(0.25))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_window_bounds_beyond_every_key_are_unbounded(backend):
+    """A window bound wider than any sequence sees every key, however large (even past int32 or int64,
+    where the kernels' position arithmetic would overflow): the result equals the unbounded window's."""
+    q, k, v = qkv()
+    want = gstar.flash_attention(q, k, v, backend=backend)
+    for window in ((2**31 - 1, 2**31 - 1), (0, 2**63), (2**80, 2**40)):
+        got = gstar.flash_attention(q, k, v, window=window, sink_tokens=2**40, backend=backend)
+        torch.testing.assert_close(got, want)
+
+
+def test_max_seqlen_beyond_int32_positions_raises():
+    q, k, v = (torch.randn(9, 2, 8) for _ in range(3))
+    cu = torch.tensor([0, 9], dtype=torch.int32)
+    with pytest.raises(ValueError, match="max_seqlen_q must be <= 1073741824"):
+        gstar.flash_attention_varlen(q, k, v, cu, cu, 2**40, 9)
+
+
+def test_check_cu_seqlens_values_names_a_non_tensor():
+    with pytest.raises(TypeError, match="cu_seqlens_q must be a torch.Tensor, got list"):
+        gstar.check_cu_seqlens_values([0, 9], torch.tensor([0, 9], dtype=torch.int32), 9, 9, 9, 9)
 
 
 def test_triton_on_cpu_tensors_needs_interpreter(monkeypatch):
@@ -101,3 +167,26 @@ def test_sinks_any_float_dtype_get_gradients_in_their_dtype():
     sinks = torch.randn(4, dtype=torch.bfloat16, requires_grad=True)
     gstar.flash_attention(q, k, v, sinks=sinks).sum().backward()
     assert sinks.grad is not None and sinks.grad.dtype == torch.bfloat16
+
+
+def test_import_is_light():
+    """``import gstar`` loads neither triton (the kernels load it on the first Triton call) nor the CLI's
+    rich."""
+    code = "import sys, gstar; print(sorted({'triton', 'rich', 'gstar.kernels'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_quickstart_example_runs_on_cpu():
+    """examples/quickstart.py runs as a newcomer would run it, and every difference it prints from the
+    float64 oracle is float32 rounding."""
+    script = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 8 and sum(line.startswith("packed") for line in lines) == 3, result.stdout
+    for line in lines:
+        error = float(line.split("max error ")[1].split()[0])
+        assert error < 1e-4, line

@@ -1,4 +1,5 @@
-"""The torch.library operators of gstar.ops: opcheck, and torch.compile(fullgraph=True) through them.
+"""The torch.library operators of gstar.ops (``gstar::attention_forward`` and ``gstar::attention_backward``,
+dense and packed): opcheck, and torch.compile(fullgraph=True) through them.
 
 CPU runs the tiled PyTorch backend (and the Triton kernels under the interpreter); on a GPU the same tests
 run the Triton kernels. The CPU compile tests use the ``aot_eager`` backend: it traces with Dynamo and
@@ -46,17 +47,27 @@ def _detached(*ts):
     return [None if t is None else t.detach() for t in ts]
 
 
+def _options(pattern, q, k, backend, max_lengths=None) -> tuple:
+    """The operators' non-tensor arguments: nq, nk, left, right, sink_tokens, scale, backend."""
+    return (*(max_lengths or (q.shape[2], k.shape[2])), *PATTERNS[pattern], 0.3, backend)
+
+
+def _opcheck(q, k, v, s, cu_q, cu_k, options):
+    """opcheck of the forward op, then of the backward op on its output, with and without dlse."""
+    args = (q, k, v, s, cu_q, cu_k, *options)
+    torch.library.opcheck(ops.forward_op, args)
+    out, lse = ops.forward_op(*args)
+    for dlse in (None, torch.randn_like(lse)):
+        torch.library.opcheck(ops.backward_op, (torch.randn_like(out), out.detach(), lse.detach(), dlse,
+                                                *_detached(q, k, v, s), cu_q, cu_k, *options))
+
+
 @pytest.mark.parametrize("sinks", [False, True], ids=["nosinks", "sinks"])
 @pytest.mark.parametrize("pattern", PATTERNS, ids=list(PATTERNS))
 def test_opcheck_dense(pattern, sinks, device):
     for backend in _backends(device):
         q, k, v, s = _dense(device, sinks)
-        args = (*PATTERNS[pattern], 0.3, backend)
-        torch.library.opcheck(ops.forward, (q, k, v, s, *args))
-        out, lse = ops.forward(q, k, v, s, *args)
-        for dlse in (None, torch.randn_like(lse)):
-            torch.library.opcheck(ops.backward, (torch.randn_like(out), *_detached(q, k, v, out, lse), dlse,
-                                                 *_detached(s), *args))
+        _opcheck(q, k, v, s, None, None, _options(pattern, q, k, backend))
 
 
 @pytest.mark.parametrize("sinks", [False, True], ids=["nosinks", "sinks"])
@@ -64,12 +75,31 @@ def test_opcheck_dense(pattern, sinks, device):
 def test_opcheck_varlen(pattern, sinks, device):
     for backend in _backends(device):
         q, k, v, s, cu_q, cu_k, max_q, max_k = _packed(device, sinks)
-        args = (*PATTERNS[pattern], 0.3, backend)
-        torch.library.opcheck(ops.varlen_forward, (q, k, v, cu_q, cu_k, max_q, max_k, s, *args))
-        out, lse = ops.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, s, *args)
-        for dlse in (None, torch.randn_like(lse)):
-            torch.library.opcheck(ops.varlen_backward, (torch.randn_like(out), *_detached(q, k, v, out, lse), dlse,
-                                                        cu_q, cu_k, max_q, max_k, *_detached(s), *args))
+        _opcheck(q, k, v, s, cu_q, cu_k, _options(pattern, q, k, backend, (max_q, max_k)))
+
+
+def test_fake_outputs_match_real_layouts(device):
+    """The fake implementations promise the real outputs' shapes, dtypes and strides: dense outputs follow
+    q's (transposed) layout, packed ones are contiguous even for strided inputs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    q, k, v = (torch.randn(2, 29, h, 24, device=device).transpose(1, 2) for h in (4, 2, 2))
+    s = torch.randn(4, device=device, dtype=torch.bfloat16)
+    qp, kp, vp, _, cu_q, cu_k, max_q, max_k = _packed(device, False)
+    kp, vp = (torch.cat([t, t], dim=1)[:, ::2] for t in (kp.detach(), vp.detach()))  # strided heads
+    cases = [((q, k, v, s, None, None), _options("full", q, k, backend))
+             for backend in _backends(device)]
+    cases += [((qp.detach(), kp, vp, s, cu_q, cu_k), _options("full", qp, kp, backend, (max_q, max_k)))
+              for backend in _backends(device)]
+    for tensors, options in cases:
+        real = ops.forward_op(*tensors, *options)
+        grads = ops.backward_op(torch.randn_like(real[0]), *real, None, *tensors, *options)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake_in = [None if t is None else mode.from_tensor(t) for t in tensors]
+            fake = ops.forward_op(*fake_in, *options)
+            fake_grads = ops.backward_op(mode.from_tensor(real[0]), *(mode.from_tensor(t) for t in real), None,
+                                         *fake_in, *options)
+        for r, f in zip((*real, *grads), (*fake, *fake_grads)):
+            assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride())
 
 
 def _compile(fn, device, dynamic):

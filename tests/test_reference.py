@@ -1,7 +1,13 @@
-"""The references: naive_attention against a rebuild of Hugging Face GPT-OSS eager attention, and the tiled
-PyTorch path (the CPU backend) against naive_attention, forward and backward."""
+"""The references: naive_attention against a rebuild of Hugging Face GPT-OSS eager attention, the tiled
+PyTorch path (the CPU backend) against naive_attention, forward and backward, and the reference module's
+independence from what it judges."""
 
+import ast
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -150,3 +156,43 @@ def test_tiled_memory_is_linear():
         reference.tiled_backward(torch.randn_like(out), q, k, v, out, lse, None, None, pattern, 0.3)
     assert len(seen) > 100  # the spy saw the tile loop
     assert max(seen) <= max(n * 8, tile * tile), max(seen)
+
+
+def _imported_names(path: Path):
+    """Every module an import statement of a gstar source file names, function-level (lazy) ones included."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            yield node.module
+        elif isinstance(node, ast.ImportFrom):  # relative: from . import x, from .x import y (inside gstar/)
+            yield from ([f"gstar.{node.module}"] if node.module else [f"gstar.{a.name}" for a in node.names])
+
+
+# Loads gstar.reference without the package's __init__ (which imports the API), then prints the file of every
+# gstar or triton module that came with it.
+LOAD_REFERENCE_ALONE = """
+import importlib.util, json, sys, types
+package = types.ModuleType("gstar")
+package.__path__ = list(importlib.util.find_spec("gstar").submodule_search_locations)
+sys.modules["gstar"] = package
+import gstar.reference
+print(json.dumps({m: getattr(sys.modules[m], "__file__", None) for m in sys.modules
+                  if m.split(".")[0] in ("gstar", "triton")}))
+"""
+
+
+def test_reference_imports_neither_the_api_nor_the_kernels():
+    """The oracle and the PyTorch path stand apart from what they judge: gstar.reference pulls in neither
+    gstar.api, gstar.ops, gstar.kernels nor triton, and no import statement of the gstar modules it loads
+    names them, not even inside a function."""
+    forbidden = ("gstar.api", "gstar.ops", "gstar.kernels", "triton")
+    result = subprocess.run([sys.executable, "-c", LOAD_REFERENCE_ALONE], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    loaded = json.loads(result.stdout)
+    assert "gstar.reference" in loaded and not set(forbidden) & set(loaded), sorted(loaded)
+    for name, path in loaded.items():
+        if path is not None:
+            names = list(_imported_names(Path(path)))
+            assert not [n for n in names if n.startswith(forbidden)], (name, names)

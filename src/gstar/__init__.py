@@ -1,7 +1,18 @@
-"""gstar: FlashAttention in Python and Triton for causal, GQA, sliding-window and sink attention."""
+"""gstar: exact, memory-efficient attention (FlashAttention) in Python and Triton, forward and backward, for
+causal masks, GQA, sliding windows, sink tokens and learned sinks, on dense and packed batches.
 
-from .api import check_cu_seqlens_values, flash_attention, flash_attention_varlen
-from .reference import naive_attention, tiled_attention
+- :func:`flash_attention`: ``(B, H, N, D)`` batches (Triton on CUDA tensors, tiled PyTorch on CPU ones);
+- :func:`flash_attention_varlen`: packed ``(total, H, D)`` sequences with ``cu_seqlens`` (flash-attn's layout);
+  :func:`cu_seqlens_from_mask`, :func:`cu_seqlens_from_position_ids`, :func:`unpad`, :func:`pad` and
+  :func:`check_cu_seqlens_values` prepare them;
+- :func:`tiled_attention`: the PyTorch path on any device; :func:`naive_attention`: the oracle;
+- ``import gstar.integrations.transformers``: ``attn_implementation="gstar"`` for Hugging Face models.
+
+The rule and the conventions are in docs/design.md; examples/quickstart.py runs each entry point.
+"""
+
+from .api import check_cu_seqlens_values, flash_attention, flash_attention_varlen, tiled_attention
+from .reference import naive_attention
 from .varlen import cu_seqlens_from_mask, cu_seqlens_from_position_ids, pad, unpad
 
 __all__ = ["flash_attention", "flash_attention_varlen", "check_cu_seqlens_values", "naive_attention",

@@ -1,8 +1,9 @@
-"""``gstar.flash_attention`` and ``gstar.flash_attention_varlen``: validation, normalisation, dispatch,
-and the autograd entry.
+"""The public entry points: ``gstar.flash_attention``, ``gstar.flash_attention_varlen`` and
+``gstar.tiled_attention``. Validation, normalisation and dispatch.
 
-Every public entry point validates here and nowhere else; backends receive tensors they can trust and a
-normalised :class:`gstar.pattern.Pattern`.
+Every public argument is validated here and nowhere else (docs/design.md section 2); :mod:`gstar.ops`
+receives tensors it can trust and :class:`gstar.ops.Options` built from a normalised
+:class:`gstar.pattern.Pattern`.
 """
 
 from __future__ import annotations
@@ -19,11 +20,24 @@ from .pattern import Pattern
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _BACKENDS = ("auto", "triton", "torch")
 MAX_HEAD_DIM = 256  # the Triton kernels pad D to a power of two and keep a (BLOCK_M, D) tile in registers
+MAX_SEQLEN = 2**30  # the kernels hold positions in int32: p(i) + right must not overflow
+FAR = MAX_SEQLEN - 1  # a window bound that reaches every key of the longest sequence: wider ones are clamped
+
+
+def _type_name(x) -> str:
+    """``int``, ``list``, ..., or ``numpy.bool`` for types outside the builtins."""
+    t = type(x)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def _check_bool(name: str, x):
+    if not isinstance(x, bool):
+        raise TypeError(f"{name} must be a bool, got {_type_name(x)}")
 
 
 def _check_tensor(name: str, t, ndim: int):
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {_type_name(t)}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
 
@@ -47,6 +61,8 @@ def _resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> 
 def _check_group(q, k, v) -> tuple[int, int]:
     """Checks shared by every layout with heads on dim 1 and the head dim last; returns ``(Hq, D)``."""
     Hq, Hkv, D = q.shape[1], k.shape[1], q.shape[-1]
+    if D == 0:
+        raise ValueError(f"q head dim (q.shape[-1]) must be >= 1, got 0 (q shape {tuple(q.shape)})")
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
     if k.shape[-1] != D:
@@ -65,23 +81,23 @@ def _check_group(q, k, v) -> tuple[int, int]:
     return Hq, D
 
 
-def _check_options(q, Hq: int, D: int, *, causal, window, sink_tokens, sinks, scale, backend):
+def _check_options(q, Hq: int, D: int, *, causal, window, sink_tokens, sinks, scale, backend, return_lse):
     """Validate the keyword arguments every entry point shares.
 
     Returns ``(window, sink_tokens, scale, backend)`` as plain ints, a float and a resolved backend name.
     """
     backend = _resolve_backend(backend, q.device, q.dtype)
     if backend == "triton" and not 1 <= D <= MAX_HEAD_DIM:
-        raise ValueError(f"head dim must be between 1 and {MAX_HEAD_DIM} for the Triton backend, got {D}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        raise ValueError(f"q head dim must be between 1 and {MAX_HEAD_DIM} for the Triton backend, got {D}")
+    _check_bool("causal", causal)
+    _check_bool("return_lse", return_lse)
     if (not isinstance(window, (tuple, list)) or len(window) != 2
             or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window)):
         raise TypeError(f"window must be a (left, right) pair of ints, got {window!r}")
     if any(w < -1 for w in window):
         raise ValueError(f"window bounds must be >= 0 or -1 (unbounded), got {tuple(window)}")
     if not isinstance(sink_tokens, numbers.Integral) or isinstance(sink_tokens, bool):
-        raise TypeError(f"sink_tokens must be an int, got {type(sink_tokens).__name__}")
+        raise TypeError(f"sink_tokens must be an int, got {_type_name(sink_tokens)}")
     if sink_tokens < 0:
         raise ValueError(f"sink_tokens must be >= 0, got {sink_tokens}")
     if sinks is not None:
@@ -94,16 +110,20 @@ def _check_options(q, Hq: int, D: int, *, causal, window, sink_tokens, sinks, sc
             raise ValueError(f"sinks must be on {q.device}, got {sinks.device}")
     if scale is None:
         scale = D ** -0.5
-    elif not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not math.isfinite(scale):
+    elif not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not _finite(scale):
         raise TypeError(f"scale must be a finite float or None, got {scale!r}")
-    return (int(window[0]), int(window[1])), int(sink_tokens), float(scale), backend
+    return (min(int(window[0]), FAR), min(int(window[1]), FAR)), int(sink_tokens), float(scale), backend
 
 
-def normalize(q, k, v, *, causal, window, sink_tokens, sinks, scale, backend):
-    """Validate every argument of :func:`flash_attention` (docs/design.md section 2).
+def _finite(x: numbers.Real) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int beyond float's range
+        return False
 
-    Returns ``(pattern, scale, backend)``.
-    """
+
+def normalize(q, k, v, *, causal, window, sink_tokens, sinks, scale, backend, return_lse) -> ops.Options:
+    """Validate every argument of :func:`flash_attention` (docs/design.md section 2)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t, 4)
     B = q.shape[0]
@@ -114,9 +134,9 @@ def normalize(q, k, v, *, causal, window, sink_tokens, sinks, scale, backend):
     Hq, D = _check_group(q, k, v)
     window, sink_tokens, scale, backend = _check_options(
         q, Hq, D, causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks, scale=scale,
-        backend=backend)
+        backend=backend, return_lse=return_lse)
     pattern = Pattern.make(q.shape[2], k.shape[2], causal=causal, window=window, sink_tokens=sink_tokens)
-    return pattern, scale, backend
+    return ops.Options(pattern, scale, backend)
 
 
 def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, sinks=None, scale=None,
@@ -128,12 +148,12 @@ def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
             float32 (float64 too with ``backend="torch"``); any strides with a unit last stride.
             ``Hq % Hkv == 0``: query head ``h`` reads kv head ``h // (Hq // Hkv)`` (GQA/MQA).
         causal: key ``j`` visible to query ``i`` only if ``j <= p(i)``, with ``p(i) = i + Nk - Nq``
-            (bottom-right alignment). Same as ``window=(left, 0)``.
+            (bottom-right alignment): it sets the window's right bound to 0.
         window: ``(left, right)``, inclusive, ``-1`` = unbounded: ``p(i) - left <= j <= p(i) + right``.
             Hugging Face ``sliding_window=W`` is ``window=(W - 1, 0)``.
         sink_tokens: the first ``S`` keys ignore the window's left bound (StreamingLLM).
-        sinks: ``(Hq,)`` learned sink logits (GPT-OSS ``s_aux``), added to each row's softmax denominator
-            as ``exp(sinks[h])`` (not scaled). Gradients flow to them.
+        sinks: ``(Hq,)`` learned sink logits (GPT-OSS ``s_aux``), any float dtype, added to each row's
+            softmax denominator as ``exp(sinks[h])`` (not scaled). Gradients flow to them, in their dtype.
         scale: multiplies ``q . k``; default ``D ** -0.5``.
         return_lse: also return the natural-log logsumexp of each row, ``(B, Hq, Nq)`` float32, sink term
             included; ``-inf`` (or ``sinks[h]``) for rows that see no key.
@@ -147,12 +167,24 @@ def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
         1 1 1 1 1    1 . . 1 1
 
     Rows with no visible key return zeros. Returns ``out`` ``(B, Hq, Nq, D)`` in q's dtype and memory
-    layout, or ``(out, lse)`` with ``return_lse=True``.
+    layout, or ``(out, lse)`` with ``return_lse=True``. Bad arguments raise ``ValueError`` or ``TypeError``
+    naming the argument.
     """
-    pattern, scale, backend = normalize(q, k, v, causal=causal, window=window, sink_tokens=sink_tokens,
-                                        sinks=sinks, scale=scale, backend=backend)
-    out, lse = ops.attention(q, k, v, sinks, pattern.left, pattern.right, pattern.sink_tokens, scale, backend)
+    options = normalize(q, k, v, causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks,
+                        scale=scale, backend=backend, return_lse=return_lse)
+    out, lse = ops.attention(q, k, v, sinks, options)
     return (out, lse) if return_lse else out
+
+
+def tiled_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, sinks=None, scale=None,
+                    return_lse=False):
+    """FlashAttention in plain PyTorch: ``flash_attention(..., backend="torch")``.
+
+    Same arguments, shapes, rule and autograd as :func:`flash_attention`, on any device; also accepts
+    float64 (for ``torch.autograd.gradcheck``). Never builds an Nq x Nk matrix: peak memory is linear in N.
+    """
+    return flash_attention(q, k, v, causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks,
+                           scale=scale, return_lse=return_lse, backend="torch")
 
 
 def _capturing(device: torch.device) -> bool:
@@ -191,16 +223,18 @@ def check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: i
     """The checks of :func:`flash_attention_varlen` on the values of ``cu_seqlens`` (0 first, non-decreasing,
     the total last, no sequence longer than its ``max_seqlen``): one device-to-host copy of both (a sync on
     CUDA). ``ValueError`` naming the first offending entry."""
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        _check_tensor(name, cu, 1)
     offsets_q, offsets_k = torch.stack((cu_seqlens_q, cu_seqlens_k)).tolist()
     _check_offsets("cu_seqlens_q", offsets_q, "total_q (q.shape[0])", total_q, "max_seqlen_q", max_seqlen_q)
     _check_offsets("cu_seqlens_k", offsets_k, "total_k (k.shape[0])", total_k, "max_seqlen_k", max_seqlen_k)
 
 
 def normalize_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, window,
-                     sink_tokens, sinks, scale, backend, check_cu_seqlens=True):
+                     sink_tokens, sinks, scale, backend, return_lse, check_cu_seqlens) -> ops.Options:
     """Validate every argument of :func:`flash_attention_varlen`.
 
-    Returns ``(pattern, scale, backend)``, the pattern built on the longest lengths. The values of
+    Returns the options with the pattern built on the longest lengths. The values of
     ``cu_seqlens`` are checked on the host (one device-to-host copy of both, a sync on CUDA) unless
     ``check_cu_seqlens`` is False, ``torch.compile`` traces or a CUDA graph is being captured, where they
     are data the graph cannot read: then only their dtype, device and shape are checked.
@@ -217,17 +251,20 @@ def normalize_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                          f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if not isinstance(m, (numbers.Integral, torch.SymInt)) or isinstance(m, bool):
-            raise TypeError(f"{name} must be an int, got {type(m).__name__}")
+            raise TypeError(f"{name} must be an int, got {_type_name(m)}")
         if m < 0:
             raise ValueError(f"{name} must be >= 0, got {m}")
+        if m > MAX_SEQLEN:
+            raise ValueError(f"{name} must be <= {MAX_SEQLEN} (positions are int32 in the kernels), got {m}")
     window, sink_tokens, scale, backend = _check_options(
         q, Hq, D, causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks, scale=scale,
-        backend=backend)
+        backend=backend, return_lse=return_lse)
+    _check_bool("check_cu_seqlens", check_cu_seqlens)
     if check_cu_seqlens and not (torch.compiler.is_compiling() or _capturing(q.device)):
         check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     lengths = [m if isinstance(m, torch.SymInt) else int(m) for m in (max_seqlen_q, max_seqlen_k)]
     pattern = Pattern.make(*lengths, causal=causal, window=window, sink_tokens=sink_tokens)
-    return pattern, scale, backend
+    return ops.Options(pattern, scale, backend)
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
@@ -273,11 +310,12 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     k, v, sinks and the LSE. One kernel launch per pass covers every sequence (the Triton kernels read
     ``cu_seqlens`` on the device). Outside ``torch.compile`` and CUDA graph capture the values of
     ``cu_seqlens`` are checked on the host first (one device sync on CUDA) unless
-    ``check_cu_seqlens=False``; inside a compiled or captured graph they are trusted.
+    ``check_cu_seqlens=False``; inside a compiled or captured graph they are trusted. Bad arguments raise
+    ``ValueError`` or ``TypeError`` naming the argument.
     """
-    pattern, scale, backend = normalize_varlen(
+    options = normalize_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, window=window,
-        sink_tokens=sink_tokens, sinks=sinks, scale=scale, backend=backend, check_cu_seqlens=check_cu_seqlens)
-    out, lse = ops.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, pattern.nq, pattern.nk, sinks, pattern.left,
-                                  pattern.right, pattern.sink_tokens, scale, backend)
+        sink_tokens=sink_tokens, sinks=sinks, scale=scale, backend=backend, return_lse=return_lse,
+        check_cu_seqlens=check_cu_seqlens)
+    out, lse = ops.attention(q, k, v, sinks, options, cu_seqlens_q, cu_seqlens_k)
     return (out, lse) if return_lse else out

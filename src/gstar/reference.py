@@ -1,9 +1,10 @@
-"""Ground truth and the CPU path (stage 1 of the nine-stage path).
+"""The oracle and the CPU path.
 
-``naive_attention`` materialises the whole score matrix: it is the oracle every test compares against,
-written to be read in one screen. ``tiled_attention`` is FlashAttention in plain PyTorch (Q and KV tiles,
-online softmax, a backward that recomputes probabilities from the saved LSE): the implementation that
-``gstar.flash_attention`` runs on CPU tensors, with memory linear in the sequence length.
+:func:`naive_attention` materialises the whole score matrix: it is the oracle every test compares against,
+written to be read in one screen. :func:`tiled_forward` and :func:`tiled_backward` are FlashAttention in
+plain PyTorch (Q and KV tiles, online softmax, a backward that recomputes probabilities from the saved
+LSE): the backend that ``gstar.flash_attention`` runs on CPU tensors (``gstar.tiled_attention``), with
+memory linear in the sequence length. This module imports neither the API nor the kernels.
 """
 
 from __future__ import annotations
@@ -17,11 +18,19 @@ from .pattern import Pattern, kv_block_table
 
 
 def naive_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, sinks=None, scale=None):
-    """Attention by the definition of docs/design.md section 1. Returns ``(out, lse)``.
+    """Attention by the definition of docs/design.md section 1, through the whole ``(Nq, Nk)`` score matrix:
+    the oracle. Returns ``(out, lse)``.
 
-    q: (B, Hq, Nq, D), k: (B, Hkv, Nk, D), v: (B, Hkv, Nk, Dv), sinks: (Hq,) or None.
+    q: (B, Hq, Nq, D), k: (B, Hkv, Nk, D), v: (B, Hkv, Nk, Dv) with ``Hq % Hkv == 0``; sinks: (Hq,) or None.
+    The keywords mean what they mean in :func:`gstar.flash_attention`: query ``i`` sits at
+    ``p(i) = i + Nk - Nq`` and sees key ``j`` when ``j <= p(i)`` (causal), ``p(i) - left <= j <= p(i) + right``
+    (window, ``-1`` unbounded) with ``j < sink_tokens`` exempt from the left bound; ``sinks`` join every
+    row's softmax denominator; scale defaults to ``D ** -0.5``.
+
     Matmuls run in the input dtype (this is "PyTorch's own error" of the correctness bar), softmax
-    statistics in float32 (float64 for float64 inputs). out: (B, Hq, Nq, Dv), lse: (B, Hq, Nq) float32.
+    statistics in float32 (float64 for float64 inputs). out: (B, Hq, Nq, Dv) in the input dtype, zeros
+    where a row sees no key; lse: (B, Hq, Nq) float32 (float64 for float64 inputs). Arguments are not
+    validated, and memory grows as Nq * Nk: for tests and small inputs.
     """
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -87,7 +96,7 @@ def _sequences(cu_seqlens, pattern: Pattern):
 
 
 def tiled_forward(q, k, v, sinks, pattern: Pattern, scale: float, tile: int | None = None, *, cu_seqlens=None):
-    """Online-softmax forward over tiles. Shapes as in ``gstar.kernels.forward.attention_forward``.
+    """Online-softmax forward over tiles. Shapes as in :func:`gstar.kernels.attention_forward`.
 
     q: (B, Hq, Nq, D), k, v: (B, Hkv, Nk, D), sinks: None or (Hq,). Returns out (q's dtype and layout) and
     lse (B, Hq, Nq) in float32 (float64 for float64 inputs). With ``cu_seqlens`` (packed heads-first
@@ -187,14 +196,3 @@ def _in_layout_of(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     gstar.ops promise); a dtype cast only when ``t`` is contiguous too."""
     return x.to(t.dtype) if x.stride() == t.stride() else torch.empty_like(t).copy_(x)
 
-
-def tiled_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, sinks=None, scale=None,
-                    return_lse=False):
-    """FlashAttention in plain PyTorch: ``gstar.flash_attention(..., backend="torch")``.
-
-    Same arguments, semantics and autograd as :func:`gstar.flash_attention`; also accepts float64 (for
-    ``torch.autograd.gradcheck``). Never builds an Nq x Nk matrix: peak memory is linear in N.
-    """
-    from .api import flash_attention
-    return flash_attention(q, k, v, causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks,
-                           scale=scale, return_lse=return_lse, backend="torch")

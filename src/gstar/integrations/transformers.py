@@ -7,9 +7,13 @@ Importing this module registers it (see :func:`register`); then::
     model.set_attn_implementation("gstar")
 
 Any decoder whose attention is causal + GQA + optional sliding window + optional learned sinks runs exactly:
-GPT-OSS (``s_aux`` becomes ``sinks``, with its gradient), Llama, Qwen2/3, Mistral. Like the flash-attention
-integrations, no 4-D mask is built: the mask function passes the 2-D padding mask through (or ``None`` when
-there is no padding), and the attention function picks one of three paths:
+GPT-OSS (``s_aux`` becomes ``sinks``, with its gradient), Llama, Qwen2/3, Mistral. The attention function
+takes the model's ``(B, heads, N, head_dim)`` projections and returns ``(B, N, Hq, head_dim)``, as
+transformers expects; the model's ``sliding_window=W`` (W keys, the query's own included) is gstar's
+``window=(W - 1, 0)``.
+
+Like the flash-attention integrations, no 4-D mask is built: the mask function passes the 2-D padding mask
+through (or ``None`` when there is no padding), and the attention function picks one of three paths:
 
 - plain batch: :func:`gstar.flash_attention` on the tensors as they come (no copies of q, k, v);
 - padded batch (2-D mask with zeros): unpad, :func:`gstar.flash_attention_varlen`, pad back;
