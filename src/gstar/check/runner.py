@@ -64,7 +64,7 @@ def default_impl(stage: Stage, backend: str):
         from ..kernels.primers import weighted_row_sum
         return weighted_row_sum
     if stage.kind == "tiled":
-        from ..reference import tiled_attention
+        from ..api import tiled_attention
         return tiled_attention
     from ..api import flash_attention
     return functools.partial(flash_attention, backend=backend)
