@@ -185,6 +185,7 @@ def test_check_on_cpu_sets_the_interpreter(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_gpu_check_passes_every_stage(tmp_path):
     out = tmp_path / "check.json"
     assert main(["check", "--json", str(out)]) == 0

@@ -18,6 +18,11 @@ PATTERNS = {
     "causal_window_sink_tokens": (5, 0, 2),  # (left, right, sink_tokens)
     "two_sided": (3, 4, 0),
 }
+# opcheck takes ~20 s a case on two CPU cores: the quick tier checks the case with every option on, the
+# full suite (pytest --full) every pattern with and without sinks
+OPCHECK_CASES = [pytest.param(p, s, id=f"{p}-{'sinks' if s else 'nosinks'}",
+                              marks=() if (p, s) == ("causal_window_sink_tokens", True) else pytest.mark.slow)
+                 for p in PATTERNS for s in (False, True)]
 
 
 def _backends(device):
@@ -62,16 +67,14 @@ def _opcheck(q, k, v, s, cu_q, cu_k, options):
                                                 *_detached(q, k, v, s), cu_q, cu_k, *options))
 
 
-@pytest.mark.parametrize("sinks", [False, True], ids=["nosinks", "sinks"])
-@pytest.mark.parametrize("pattern", PATTERNS, ids=list(PATTERNS))
+@pytest.mark.parametrize("pattern,sinks", OPCHECK_CASES)
 def test_opcheck_dense(pattern, sinks, device):
     for backend in _backends(device):
         q, k, v, s = _dense(device, sinks)
         _opcheck(q, k, v, s, None, None, _options(pattern, q, k, backend))
 
 
-@pytest.mark.parametrize("sinks", [False, True], ids=["nosinks", "sinks"])
-@pytest.mark.parametrize("pattern", PATTERNS, ids=list(PATTERNS))
+@pytest.mark.parametrize("pattern,sinks", OPCHECK_CASES)
 def test_opcheck_varlen(pattern, sinks, device):
     for backend in _backends(device):
         q, k, v, s, cu_q, cu_k, max_q, max_k = _packed(device, sinks)

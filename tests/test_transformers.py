@@ -324,7 +324,7 @@ def _compiled_step(model, backend, ids, **inputs):
     return loss.detach(), _grads(model)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["plain", "cu_seq_lens"])
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["plain", "cu_seq_lens"])
 def test_compiled_gpt_oss_training_step_has_no_graph_break(packed):
     """torch.compile(fullgraph=True) of a tiny GPT-OSS loss (aot_eager on CPU: Dynamo and AOTAutograd
     trace exactly as for Inductor); loss and gradients equal the uncompiled gstar model's."""
@@ -348,6 +348,7 @@ def test_compiled_gpt_oss_training_step_has_no_graph_break(packed):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_compiled_gpt_oss_training_step_cuda_inductor():
     """The same step compiled by Inductor on the GPU (float32, so that only summation order differs): no
     graph break, and the loss and every gradient match the uncompiled step."""
