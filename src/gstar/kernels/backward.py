@@ -51,7 +51,7 @@ from . import descriptors
 from .configs import BackwardConfig, backward_config, dot_precision, next_power_of_2, pad_head_dim
 from .forward import batch_strides
 from .launch import constexprs, launch
-from .ranges import kv_range, q_range, sequence_bounds, tile_rows
+from .ranges import kv_range, q_range, sequence_bounds, tile_rows, visible
 
 LOG2E = math.log2(math.e)
 _LOG2E = tl.constexpr(LOG2E)
@@ -129,22 +129,6 @@ def _table_row(Table, index):
 
 
 @triton.jit
-def _visible(rows, cols, nq, nk, left, right, sink_tokens,
-             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr):
-    """gstar.pattern's rule on broadcastable index blocks ``rows`` (queries) and ``cols`` (keys)."""
-    ok = (rows < nq) & (cols < nk)
-    pos = rows + (nk - nq)
-    if HAS_RIGHT:
-        ok = ok & (cols <= pos + right)
-    if HAS_LEFT:
-        inside = cols >= pos - left
-        if HAS_SINK_TOKENS:
-            inside = inside | (cols < sink_tokens)
-        ok = ok & inside
-    return ok
-
-
-@triton.jit
 def _dkdv_step(
     dk, dv, k, v, Q, DO, LSE2, DELTA, seq, head, m_start, stride_qn, stride_don, offs_n, offs_d,
     nq, nk, left, right, sink_tokens, qk_scale,
@@ -173,8 +157,8 @@ def _dkdv_step(
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)                            # (BLOCK_N, BLOCK_M)
     p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
     if MASKED:
-        ok = _visible(offs_m[None, :], offs_n[:, None], nq, nk, left, right, sink_tokens,
-                      HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)
+        ok = visible(offs_m[None, :], offs_n[:, None], nq, nk, left, right, sink_tokens,
+                     HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)
         p_t = tl.where(ok, p_t, 0.0)
     dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
     ds_t = p_t * (dp_t - delta[None, :])
@@ -355,8 +339,8 @@ def _dq_step(
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)                                # (BLOCK_M, BLOCK_N)
     p = tl.math.exp2(s * qk_scale - lse2[:, None])
     if MASKED:
-        ok = _visible(offs_m[:, None], offs_n[None, :], nq, nk, left, right, sink_tokens,
-                      HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)
+        ok = visible(offs_m[:, None], offs_n[None, :], nq, nk, left, right, sink_tokens,
+                     HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)
         p = tl.where(ok, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)                              # (BLOCK_M, BLOCK_N)
     ds = p * (dp - delta[:, None])

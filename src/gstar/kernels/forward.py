@@ -30,7 +30,7 @@ from ..pattern import Pattern, cdiv
 from .. import buffers
 from .configs import dot_precision, forward_config, pad_head_dim
 from .launch import constexprs, launch
-from .ranges import kv_range, sequence_bounds, tile_rows
+from .ranges import kv_range, sequence_bounds, tile_rows, visible
 
 LOG2E = math.log2(math.e)
 _LOG2E = tl.constexpr(LOG2E)
@@ -38,17 +38,16 @@ _LN2 = tl.constexpr(math.log(2.0))
 
 
 @triton.jit
-def _softmax_step(s, acc, m_i, l_i, cols, lo_key, hi_key, qk_scale, Nk, sink_tokens,
+def _softmax_step(s, acc, m_i, l_i, rows, cols, qk_scale, Nq, Nk, left, right, sink_tokens,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
                   MASKED: tl.constexpr, MAY_BE_EMPTY: tl.constexpr, FOLD_SCALE: tl.constexpr):
     """One KV block's online-softmax update of R rows: returns ``(p, acc, m_i, l_i)``, with ``acc``
     rescaled to the new max and ``p`` the block's float32 weights, ready for ``acc += p @ v``.
 
     s: (R, BLOCK_N) raw scores; acc: (R, D_PAD) float32; m_i, l_i: (R,) float32 running max (base 2,
-    scaled) and running sum; cols: (BLOCK_N,) key indices; lo_key, hi_key: (R,) each row's window bounds
-    ``p(i) - left`` and ``p(i) + right``.
-    ``MASKED`` blocks evaluate the rule of ``gstar.pattern`` and hide keys past ``Nk``; the others are
-    whole blocks visible to every stored row. ``MAY_BE_EMPTY``: a row can still have ``m_i = -inf`` here
+    scaled) and running sum; rows: (R,) query positions; cols: (BLOCK_N,) key indices.
+    ``MASKED`` blocks evaluate :func:`gstar.kernels.ranges.visible`; the others are whole blocks visible to
+    every stored row. ``MAY_BE_EMPTY``: a row can still have ``m_i = -inf`` here
     (no learned sink), so masked blocks must shift such rows by 0.
     ``FOLD_SCALE`` (needs qk_scale > 0): the max is taken over raw scores and scaled once per row, and
     ``exp2(s * qk_scale - m)`` is one FMA per score instead of a multiply then a subtract.
@@ -56,15 +55,9 @@ def _softmax_step(s, acc, m_i, l_i, cols, lo_key, hi_key, qk_scale, Nk, sink_tok
     if not FOLD_SCALE:
         s = s * qk_scale  # base-2 logits
     if MASKED:
-        visible = cols[None, :] < Nk
-        if HAS_RIGHT:
-            visible = visible & (cols[None, :] <= hi_key[:, None])
-        if HAS_LEFT:
-            inside = cols[None, :] >= lo_key[:, None]
-            if HAS_SINK_TOKENS:
-                inside = inside | (cols[None, :] < sink_tokens)
-            visible = visible & inside
-        s = tl.where(visible, s, float("-inf"))
+        ok = visible(rows[:, None], cols[None, :], Nq, Nk, left, right, sink_tokens,
+                     HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)
+        s = tl.where(ok, s, float("-inf"))
     if FOLD_SCALE:
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # (R,); max commutes with a positive scale
     else:
@@ -86,16 +79,16 @@ def _softmax_step(s, acc, m_i, l_i, cols, lo_key, hi_key, qk_scale, Nk, sink_tok
 
 
 @triton.jit
-def _attend_blocks(acc, m_i, l_i, q, lo_key, hi_key, acc2, m2, l2, q2, lo2, hi2,
-                   k_ptrs, v_ptrs, stride_kn, stride_vn, offs_n, d_ok, block_lo, block_hi, qk_scale, Nk,
-                   sink_tokens, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+def _attend_blocks(acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2,
+                   k_ptrs, v_ptrs, stride_kn, stride_vn, offs_n, d_ok, block_lo, block_hi, qk_scale, Nq, Nk,
+                   left, right, sink_tokens, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
                    MASKED: tl.constexpr, MAY_BE_EMPTY: tl.constexpr, FOLD_SCALE: tl.constexpr,
                    PRECISION: tl.constexpr, HALVES: tl.constexpr):
     """Fold KV blocks ``[block_lo, block_hi)`` into the running state of one Q tile.
 
-    ``(acc, m_i, l_i, q, lo_key, hi_key)`` are the state and rows of the tile (or of its first half with
-    HALVES), as in :func:`_softmax_step`, with q: (R, D_PAD); ``(acc2, ..., hi2)`` those of the second half
+    ``(acc, m_i, l_i, q, rows)`` are the state and rows of the tile (or of its first half with
+    HALVES), as in :func:`_softmax_step`, with q: (R, D_PAD); ``(acc2, ..., rows2)`` those of the second half
     (ignored and returned as they came without HALVES). k_ptrs: (D_PAD, BLOCK_N) and v_ptrs:
     (BLOCK_N, D_PAD) point at keys 0..BLOCK_N-1 of this kv head; offs_n: (BLOCK_N,); d_ok: (D_PAD,) real
     head-dim lanes. Masked blocks also guard the loads of keys past ``Nk``.
@@ -115,7 +108,7 @@ def _attend_blocks(acc, m_i, l_i, q, lo_key, hi_key, acc2, m2, l2, q2, lo2, hi2,
         s = tl.dot(q, k, input_precision=PRECISION)  # (R, BLOCK_N) raw scores
         if HALVES:
             s2 = tl.dot(q2, k, input_precision=PRECISION)
-        p, acc, m_i, l_i = _softmax_step(s, acc, m_i, l_i, cols, lo_key, hi_key, qk_scale, Nk, sink_tokens,
+        p, acc, m_i, l_i = _softmax_step(s, acc, m_i, l_i, rows, cols, qk_scale, Nq, Nk, left, right, sink_tokens,
                                          HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, MASKED, MAY_BE_EMPTY, FOLD_SCALE)
         v_block = v_ptrs + start_n.to(tl.int64) * stride_vn
         if MASKED:
@@ -126,7 +119,8 @@ def _attend_blocks(acc, m_i, l_i, q, lo_key, hi_key, acc2, m2, l2, q2, lo2, hi2,
             v = tl.load(v_block, mask=d_ok[None, :], other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         if HALVES:
-            p2, acc2, m2, l2 = _softmax_step(s2, acc2, m2, l2, cols, lo2, hi2, qk_scale, Nk, sink_tokens,
+            p2, acc2, m2, l2 = _softmax_step(s2, acc2, m2, l2, rows2, cols, qk_scale, Nq, Nk, left, right,
+                                             sink_tokens,
                                              HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, MASKED, MAY_BE_EMPTY,
                                              FOLD_SCALE)
             acc2 = tl.dot(p2.to(v.dtype), v, acc2, input_precision=PRECISION)
@@ -138,13 +132,11 @@ def _start_rows(Q, Sinks, offs, h0, row_start, q_start, b, stride_qb, stride_qh,
                 Nq, Nk, left, right, ROWS: tl.constexpr, R: tl.constexpr, D_PAD: tl.constexpr,
                 HAS_SINKS: tl.constexpr):
     """Load the Q rows ``offs`` (R,) of the tile and start their softmax state: returns
-    ``(q, lo_key, hi_key, acc, m_i, l_i)`` as :func:`_attend_blocks` takes them."""
+    ``(q, rows, acc, m_i, l_i)`` as :func:`_attend_blocks` takes them."""
     heads, rows, row_ok, tokens = tile_rows(offs, h0, row_start, q_start, Nq, ROWS)
     q_rows = b * stride_qb + heads.to(tl.int64) * stride_qh + tokens * stride_qm  # (R,)
     q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :],
                 other=0.0)  # (R, D_PAD)
-    lo_key = rows + (Nk - Nq) - left  # (R,) window bounds of each row, used by masked blocks only
-    hi_key = rows + (Nk - Nq) + right
     acc = tl.zeros([R, D_PAD], dtype=tl.float32)
     if HAS_SINKS:
         # exp2(m) * l = exp(sink): the sink is already in the sum, with no value to carry
@@ -153,7 +145,7 @@ def _start_rows(Q, Sinks, offs, h0, row_start, q_start, b, stride_qb, stride_qh,
     else:
         m_i = tl.full([R], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([R], dtype=tl.float32)
-    return q, lo_key, hi_key, acc, m_i, l_i
+    return q, rows, acc, m_i, l_i
 
 
 @triton.jit
@@ -225,15 +217,15 @@ def _forward_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM  # (D_PAD,) all true unless D was padded to a power of two
-    q, lo_key, hi_key, acc, m_i, l_i = _start_rows(
+    q, rows, acc, m_i, l_i = _start_rows(
         Q, Sinks, offs_m, h0, row_start, q_start, b, stride_qb, stride_qh, stride_qm, offs_d, d_ok, Nq, Nk,
         left, right, ROWS, R, D_PAD, HAS_SINKS)
     if HALVES:
-        q2, lo2, hi2, acc2, m2, l2 = _start_rows(
+        q2, rows2, acc2, m2, l2 = _start_rows(
             Q, Sinks, offs_m + R, h0, row_start, q_start, b, stride_qb, stride_qh, stride_qm, offs_d, d_ok, Nq,
             Nk, left, right, ROWS, R, D_PAD, HAS_SINKS)
     else:  # placeholders that _attend_blocks passes through untouched
-        q2, lo2, hi2, acc2, m2, l2 = q, lo_key, hi_key, acc, m_i, l_i
+        q2, rows2, acc2, m2, l2 = q, rows, acc, m_i, l_i
     k_first = b * stride_kb + h_kv * stride_kh + k_start * stride_kn
     v_first = b * stride_vb + h_kv * stride_vh + k_start * stride_vn
     k_ptrs = K + k_first + offs_n[None, :] * stride_kn + offs_d[:, None]  # (D_PAD, BLOCK_N) K^T
@@ -245,8 +237,8 @@ def _forward_kernel(
     may_be_empty: tl.constexpr = not HAS_SINKS
     if HAS_SINK_TOKENS:
         acc, m_i, l_i, acc2, m2, l2 = _attend_blocks(
-            acc, m_i, l_i, q, lo_key, hi_key, acc2, m2, l2, q2, lo2, hi2, k_ptrs, v_ptrs, stride_kn, stride_vn,
-            offs_n, d_ok, 0, sink_end, qk_scale, Nk, sink_tokens, BLOCK_N, EVEN_D, HAS_LEFT, HAS_RIGHT,
+            acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2, k_ptrs, v_ptrs, stride_kn, stride_vn,
+            offs_n, d_ok, 0, sink_end, qk_scale, Nq, Nk, left, right, sink_tokens, BLOCK_N, EVEN_D, HAS_LEFT, HAS_RIGHT,
             HAS_SINK_TOKENS, True, may_be_empty, FOLD_SCALE, PRECISION, HALVES)
     if FLAT:
         # one pipelined loop over the whole band, every block masked: a narrow window's few blocks per
@@ -254,17 +246,17 @@ def _forward_kernel(
         full_start = band_end
         full_end = band_end
     acc, m_i, l_i, acc2, m2, l2 = _attend_blocks(
-        acc, m_i, l_i, q, lo_key, hi_key, acc2, m2, l2, q2, lo2, hi2, k_ptrs, v_ptrs, stride_kn, stride_vn,
-        offs_n, d_ok, band_start, full_start, qk_scale, Nk, sink_tokens, BLOCK_N, EVEN_D, HAS_LEFT, HAS_RIGHT,
+        acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2, k_ptrs, v_ptrs, stride_kn, stride_vn,
+        offs_n, d_ok, band_start, full_start, qk_scale, Nq, Nk, left, right, sink_tokens, BLOCK_N, EVEN_D, HAS_LEFT, HAS_RIGHT,
         HAS_SINK_TOKENS, True, may_be_empty, FOLD_SCALE, PRECISION, HALVES)
     if not FLAT:
         acc, m_i, l_i, acc2, m2, l2 = _attend_blocks(
-            acc, m_i, l_i, q, lo_key, hi_key, acc2, m2, l2, q2, lo2, hi2, k_ptrs, v_ptrs, stride_kn, stride_vn,
-            offs_n, d_ok, full_start, full_end, qk_scale, Nk, sink_tokens, BLOCK_N, EVEN_D, HAS_LEFT,
+            acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2, k_ptrs, v_ptrs, stride_kn, stride_vn,
+            offs_n, d_ok, full_start, full_end, qk_scale, Nq, Nk, left, right, sink_tokens, BLOCK_N, EVEN_D, HAS_LEFT,
             HAS_RIGHT, HAS_SINK_TOKENS, False, may_be_empty, FOLD_SCALE, PRECISION, HALVES)
         acc, m_i, l_i, acc2, m2, l2 = _attend_blocks(
-            acc, m_i, l_i, q, lo_key, hi_key, acc2, m2, l2, q2, lo2, hi2, k_ptrs, v_ptrs, stride_kn, stride_vn,
-            offs_n, d_ok, full_end, band_end, qk_scale, Nk, sink_tokens, BLOCK_N, EVEN_D, HAS_LEFT,
+            acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2, k_ptrs, v_ptrs, stride_kn, stride_vn,
+            offs_n, d_ok, full_end, band_end, qk_scale, Nq, Nk, left, right, sink_tokens, BLOCK_N, EVEN_D, HAS_LEFT,
             HAS_RIGHT, HAS_SINK_TOKENS, True, may_be_empty, FOLD_SCALE, PRECISION, HALVES)
 
     _finish_rows(Out, Lse, acc, m_i, l_i, offs_m, h0, row_start, q_start, b, stride_ob, stride_oh, stride_om,
