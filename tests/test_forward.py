@@ -13,7 +13,7 @@ from inputs import make_qkv
 from gstar.accuracy import relative_error, verdict
 from gstar.kernels import configs
 from gstar.kernels.configs import forward_config
-from gstar.kernels.forward import attention_forward
+from gstar.kernels import attention_forward
 from gstar.pattern import Pattern
 from gstar.reference import naive_attention
 

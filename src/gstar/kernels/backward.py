@@ -10,9 +10,9 @@ Kernels, each one family specialised by ``tl.constexpr`` flags, in launch order:
 * ``_dkdv``: one program per (work item, kv head, head split). A work item is a KV tile, or a chunk of the
   Q tiles that see it (:func:`gstar.pattern.q_block_table`), and a head split a slice of the kv head's
   GQA group; the program keeps K, V and the dK, dV accumulators on chip while it walks those (head,
-  Q tile) pairs. K/V are never expanded. :func:`split_plan` picks the split from the SM count: with few kv
-  heads (MQA: 64 KV tiles on 132 SMs) or one KV tile seen by every Q tile (sink tokens, causal starts)
-  a single program per tile would leave SMs idle behind one long program. With learned sinks the program
+  Q tile) pairs. K/V are never expanded. :func:`gstar.kernels.schedule.split_plan` picks the split from
+  the SM count: with few kv heads (MQA: 64 KV tiles on 132 SMs) or one KV tile seen by every Q tile (sink
+  tokens, causal starts) a single program per tile would leave SMs idle behind one long program. With learned sinks the program
   of the first item (of the first sequence) of each (kv head, head split) also adds up its query heads'
   dsinks shares, after its own tile.
 * ``_sum_partials``: when work is split, each program writes float32 partials and this kernel adds them,
@@ -31,39 +31,22 @@ boundary ranges and an unmasked interior as separate loops (interior tiles skip 
 prefer (their ranges are one or two tiles long, too short to pipeline). No atomics and a fixed loop and
 summation order: the gradients are bitwise reproducible. Memory is linear in N: besides the gradients,
 ``delta`` and the base-2 LSE, both ``(B, Hq, Nq)`` float32, and the partials, at most
-``_MAX_PARTIAL_RATIO`` times dK + dV's size in float32 (and only when the grid is small).
+``schedule._MAX_PARTIAL_RATIO`` times dK + dV's size in float32 (and only when the grid is small).
 """
 
 from __future__ import annotations
 
-import functools
 import math
-from typing import NamedTuple
 
-import torch
 import triton
 import triton.language as tl
 
-from ..pattern import (KV_BAND_END, KV_BAND_START, KV_FULL_END, KV_FULL_START, KV_SINK_END, Q_END, Q_FULL_END,
-                       Q_FULL_START, Q_START, Pattern, cdiv, kv_block_table, q_block_table)
-from .. import buffers
-from . import descriptors
-from .configs import BackwardConfig, backward_config, dot_precision, next_power_of_2, pad_head_dim
-from .forward import batch_strides
-from .launch import constexprs, launch
+from ..pattern import KV_BAND_END, KV_BAND_START, KV_FULL_END, KV_FULL_START, KV_SINK_END
 from .ranges import kv_range, q_range, sequence_bounds, tile_rows, visible
 
-LOG2E = math.log2(math.e)
-_LOG2E = tl.constexpr(LOG2E)
-# columns of the dK/dV work table (split_plan): the KV tile, then its Q tile ranges like q_block_table's
-W_TILE, W_START, W_FULL_START, W_FULL_END, W_END = range(5)
+_LOG2E = tl.constexpr(math.log2(math.e))
 # the kernels read table rows in column order (_table_row)
 assert (KV_SINK_END, KV_BAND_START, KV_FULL_START, KV_FULL_END, KV_BAND_END) == tuple(range(5))
-# dK/dV splitting: programs aim at this many (Q tile, head) steps at least (a K/V load and a partial store
-# must pay off), at most this many items per KV tile, and partials at most this many times dK + dV's size
-_MIN_STEPS = 4
-_MAX_Q_SPLITS = 16
-_MAX_PARTIAL_RATIO = 8
 
 
 @triton.jit
@@ -203,8 +186,9 @@ def _dkdv(
     """Grid ``(n_items, Hkv * head_splits, B)``: dK, dV of one KV tile of one kv head, summed over
     ``GROUP // head_splits`` query heads and the Q tiles of one work item.
 
-    Dense: the items and their Q tile ranges come from WORK (see :func:`split_plan`). VARLEN: axis 2 is the
-    sequence, found through CuQ, CuK (see ``_forward_kernel``), every KV tile of the longest one is an item,
+    Dense: the items and their Q tile ranges come from WORK (see :func:`gstar.kernels.schedule.split_plan`).
+    VARLEN: axis 2 is the sequence, found through CuQ, CuK (see ``_forward_kernel``), every KV tile of the
+    longest one is an item,
     and :func:`gstar.kernels.ranges.q_range` finds its Q tiles. Without SPLIT every KV tile is one item and
     the whole group one split: the result goes to DK, DV in their dtype. With SPLIT (dense only) DK and DV
     are float32 partials ``(B, Hkv, head_splits, n_items, BLOCK_N, D_PAD)`` contiguous, summed by
@@ -444,241 +428,3 @@ def _dq(
                               HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, BLOCK_N, HEAD_DIM, D_PAD, TMA, PRECISION)
     dq_rows = b * stride_dqb + heads * stride_dqh + tokens * stride_dqn                 # (BLOCK_M,)
     tl.store(DQ + dq_rows[:, None] + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=tile_ok)
-
-
-@functools.lru_cache(maxsize=16)
-def _sm_count(device: str) -> int:
-    return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
-
-
-def _auto_split(counts: list[int], group: int, programs: int, sms: int) -> tuple[int, int]:
-    """``(head_splits, q_chunk)`` for a KV tile list with ``counts[t]`` Q tiles each; ``programs`` kv heads
-    times batch. Aims every program at about ``1 / (2 * sms)`` of the steps (two waves), splitting the group
-    first by how long a typical KV tile is, then the Q range of tiles far longer than that (a sink-token
-    tile, the first tiles of a causal pattern), within a bounded partial buffer. A grid that needs no split
-    to fill the card still gets two half-group programs per tile when its tiles are long-tailed (causal)."""
-    longest = max(counts)
-    busy = sorted(c for c in counts if c)
-    steps = sum(busy) * group * programs
-    if sms == 0 or steps < 2 * sms * _MIN_STEPS:  # tiny problems: the partial sum's launch would cost more
-        return 1, max(1, longest)
-    target = max(_MIN_STEPS, cdiv(steps, 2 * sms))
-    typical = busy[len(busy) // 2]
-    while True:
-        heads = max(d for d in range(1, group + 1) if group % d == 0 and (d == 1 or d * typical <= target))
-        q_splits = 1
-        if heads * longest > 2 * target:
-            q_splits = min(_MAX_Q_SPLITS, cdiv(heads * longest, target))
-        chunk = cdiv(longest, q_splits)
-        if heads == group and q_splits == 1:
-            # causal: the longest tiles run twice the mean, and halving their programs shortens the tail
-            # (H200: gpt-oss causal backward 2.39 -> 2.28 ms, 8k 4.40 -> 4.25); a 128-key window is even
-            # and prefers whole-group programs (0.334 vs 0.374 ms split)
-            if group % 2 == 0 and 2 * longest > 3 * sum(busy) / len(busy):
-                return 2, longest
-            return 1, longest
-        items = sum(max(1, cdiv(c, chunk)) for c in counts)
-        if group // heads * items <= _MAX_PARTIAL_RATIO * len(counts):
-            return group // heads, chunk
-        target *= 2
-
-
-@functools.lru_cache(maxsize=256)
-def _plan(pattern: Pattern, block_m: int, block_n: int, group: int, programs: int, sms: int, head_splits: int,
-          q_chunk: int, device: str):
-    ranges = q_block_table(pattern, block_m, block_n).tolist()                    # (n tiles, 4)
-    counts = [r[Q_END] - r[Q_START] for r in ranges]
-    auto_heads, auto_chunk = _auto_split(counts, group, programs, sms)
-    head_splits, q_chunk = head_splits or auto_heads, q_chunk or auto_chunk
-    if group % head_splits:
-        raise ValueError(f"head_splits={head_splits} must divide the GQA group ({group})")
-    items, first = [], [0]
-    for tile, r in enumerate(ranges):
-        start, full_start, full_end, end = r[Q_START], r[Q_FULL_START], r[Q_FULL_END], r[Q_END]
-        lo = start
-        while True:  # one item per chunk of q_chunk Q tiles, at least one per tile (it zeroes unseen keys)
-            hi = min(end, lo + q_chunk)
-            items.append((tile, lo, min(max(full_start, lo), hi), min(max(full_end, lo), hi), hi))
-            lo = hi
-            if lo >= end:
-                break
-        first.append(len(items))
-    work = torch.tensor(items, dtype=torch.int32).to(device)                      # (n items, 5)
-    return head_splits, work, torch.tensor(first, dtype=torch.int32).to(device)
-
-
-def split_plan(pattern: Pattern, block_m: int, block_n: int, group: int, programs: int, device, *,
-               head_splits: int = 0, q_chunk: int = 0) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """How ``_dkdv`` divides its work: ``(head_splits, work, first)``, cached per arguments.
-
-    Each KV tile of ``block_n`` keys (seen by the Q tiles of :func:`gstar.pattern.q_block_table`) becomes
-    one or more work items of at most ``q_chunk`` Q tiles, and each GQA group of ``group`` query heads
-    ``head_splits`` slices; ``programs`` is kv heads times batch. ``work``: int32 ``(n items, 5)`` on
-    ``device`` (columns ``W_TILE, W_START, W_FULL_START, W_FULL_END, W_END``); ``first``: int32
-    ``(n tiles + 1,)``, tile ``t``'s items are ``first[t] .. first[t + 1] - 1``. Zero arguments are chosen
-    from the device's SM count (never split on CPU); one item per tile and one split means no partials.
-    """
-    sms = _sm_count(str(device)) if torch.device(device).type == "cuda" else 0
-    return _plan(pattern, block_m, block_n, group, programs, sms, head_splits, q_chunk, str(device))
-
-
-class _Plan(NamedTuple):
-    """What the backward's launches need besides the data, derived once per layout by :func:`_launch_plan`.
-    Scalar tuples are split around the strides of the gradients, which are read from them at each call."""
-
-    stats_shape: tuple          # delta and lse2: (2, B, Hq, Nq) float32
-    shares_shape: tuple | None  # dsinks shares: (seqs, n_q_tiles, Hq) float32, None without sinks
-    partials_shape: tuple | None  # dK, dV partials: (2, B, Hkv, head_splits, n_items, dkdv_n, D_PAD) or None
-    dq_grid: tuple
-    dq_head: tuple              # strides of q, k, v, out, dout
-    dq_tail: tuple              # strides of dLSE and LSE, Nq, Nk, left, right, sink_tokens, scale, qk_scale
-    dq_options: tuple           # constexprs, without and with descriptors
-    dq_tma: bool
-    kv_table: torch.Tensor | None
-    dkdv_grid: tuple
-    dkdv_head: tuple            # strides of q, k, v, dout
-    dkdv_tail: tuple            # strides of LSE, Nq, Nk, head_splits, n_items, n_shares, left, ..., qk_scale
-    dkdv_options: tuple
-    dkdv_tma: bool
-    work: torch.Tensor | None
-    sum_grid: tuple | None      # _sum_partials, when the dK/dV work is split
-    sum_tail: tuple
-    sum_options: tuple
-    first: torch.Tensor | None
-    dq_tile: tuple              # descriptor blocks: (1, 1, dq_n, D_PAD) and (1, 1, dkdv_m, D_PAD)
-    dkdv_tile: tuple
-
-
-@functools.lru_cache(maxsize=256)
-def _launch_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tuple, v_stride: tuple,
-                 o_stride: tuple, do_stride: tuple, dlse_stride: tuple | None, dtype: torch.dtype,
-                 device: torch.device, has_sinks: bool, pattern: Pattern, scale: float, seqs: int | None,
-                 config: BackwardConfig | None, precision: str) -> _Plan:
-    """The launches of one layout (as ``forward._launch_plan``; ``dlse_stride`` None without an LSE gradient)."""
-    B, Hq, Nq, D = q_shape
-    Hkv, Nk = k_shape[1], k_shape[2]
-    group = Hq // Hkv
-    varlen = seqs is not None
-    cfg = config or backward_config(D, dtype, pattern, device, batch_heads=B * Hq, group=group)
-    d_pad = pad_head_dim(D)
-    shared = dict(
-        HAS_LEFT=pattern.left >= 0, HAS_RIGHT=pattern.right >= 0, HAS_SINK_TOKENS=pattern.sink_tokens > 0,
-        PRECISION=precision, GROUP=group, HEAD_DIM=D, D_PAD=d_pad, FLAT=cfg.flat, VARLEN=varlen,
-    )
-    runtime = (pattern.left, pattern.right, pattern.sink_tokens, float(scale), scale * LOG2E)
-    stats_strides = (Hq * Nq, Nq)  # delta, lse2 and LSE: (B, Hq, Nq) contiguous
-    lse_strides = batch_strides((*stats_strides, 1), varlen)[:2]
-    q_s, k_s, v_s, o_s, do_s = (batch_strides(s, varlen) for s in (q_stride, k_stride, v_stride, o_stride, do_stride))
-    dl_s = batch_strides(dlse_stride or (0, 0, 0), varlen)  # dLSE's (unused without one)
-
-    pack = math.gcd(cfg.dq_pack, group, cfg.dq_m)
-    rows = cfg.dq_m // pack  # positions per dQ tile and head
-    n_q_tiles = cdiv(pattern.nq, rows)
-    programs = seqs if varlen else B
-    dq_options = [constexprs(
-        HAS_DLSE=dlse_stride is not None, HAS_SINKS=has_sinks, BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n, PACK=pack,
-        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, TMA=tma, **shared) for tma in (False, True)]
-
-    if varlen:
-        head_splits, work, first = 1, None, None
-        n_items = n_tiles = cdiv(pattern.nk, cfg.dkdv_n)
-    else:
-        head_splits, work, first = split_plan(pattern, cfg.dkdv_m, cfg.dkdv_n, group, Hkv * B, device,
-                                              head_splits=cfg.head_splits, q_chunk=cfg.q_chunk)
-        n_tiles, n_items = first.shape[0] - 1, work.shape[0]
-    split = head_splits > 1 or n_items > n_tiles
-    group_pad = next_power_of_2(group)
-    dkdv_options = [constexprs(
-        SPLIT=split, HAS_SINKS=has_sinks, GROUP_PAD=group_pad, SHARE_ROWS=max(16, 2048 // group_pad),
-        BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, TMA=tma,
-        **shared) for tma in (False, True)]
-    return _Plan(
-        stats_shape=(2, B, Hq, Nq),
-        shares_shape=(programs, n_q_tiles, Hq) if has_sinks else None,
-        partials_shape=(2, B, Hkv, head_splits, n_items, cfg.dkdv_n, d_pad) if split else None,
-        dq_grid=(n_q_tiles, Hq // pack, programs),
-        dq_head=(*q_s, *k_s, *v_s, *o_s, *do_s),
-        dq_tail=(*dl_s, *lse_strides, Nq, Nk, *runtime),
-        dq_options=tuple(dq_options), dq_tma=cfg.dq_tma and not varlen,
-        kv_table=None if varlen else kv_block_table(pattern, rows, cfg.dq_n, device),  # (n_q_tiles, 5)
-        dkdv_grid=(n_items, Hkv * head_splits, programs),
-        dkdv_head=(*q_s, *k_s, *v_s, *do_s),
-        dkdv_tail=(*lse_strides, Nq, Nk, head_splits, n_items, programs * n_q_tiles, *runtime),
-        dkdv_options=tuple(dkdv_options), dkdv_tma=cfg.dkdv_tma and not varlen, work=work,
-        sum_grid=(n_tiles, Hkv, B) if split else None,
-        sum_tail=(Hkv, Nk, head_splits, n_items),
-        sum_options=constexprs(BLOCK_N=cfg.dkdv_n, ROWS=min(cfg.dkdv_n, max(16, 2048 // d_pad)), HEAD_DIM=D,
-                               D_PAD=d_pad, num_warps=4),
-        first=first, dq_tile=(1, 1, cfg.dq_n, d_pad), dkdv_tile=(1, 1, cfg.dkdv_m, d_pad),
-    )
-
-
-def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale: float, *,
-                       config: BackwardConfig | None = None,
-                       cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """Gradients of attention (docs/design.md section 1) from the forward's output and LSE.
-
-    Args:
-        dout, q, out: ``(B, Hq, Nq, D)``; k, v: ``(B, Hkv, Nk, D)``; any strides with unit last stride
-            (never copied).
-        lse: ``(B, Hq, Nq)`` float32 contiguous, natural log, sink term included (``-inf`` for empty rows).
-        dlse: ``None`` or ``(B, Hq, Nq)`` gradient of the returned LSE (any strides and float dtype).
-        sinks: ``None`` or ``(Hq,)`` float32 learned sink logits.
-        pattern: the normalised :class:`gstar.pattern.Pattern`; scale: multiplies ``q . k``.
-        config: a :class:`BackwardConfig` overriding :func:`backward_config` (tests use other tiles, splits
-            and loop forms; scripts/tune-backward sweeps them).
-        cu_seqlens: ``(cu_q, cu_k)`` for packed sequences, as in
-            :func:`gstar.kernels.forward.attention_forward` (B = 1, the sequence axis is total_q / total_k,
-            ``pattern`` holds the longest lengths). The dK/dV work is never split then.
-
-    Returns ``(dq, dk, dv, dsinks)``: dq like q, dk like k, dv like v (dtype and memory layout; packed:
-    heads-first views of contiguous packed tensors), dsinks
-    ``(Hq,)`` float32 or ``None``. Bitwise deterministic on one device (the split depends on its SM
-    count): no atomics, fixed loop and summation order.
-    """
-    B, Hq, Nq, _ = q.shape
-    varlen = cu_seqlens is not None
-    like = buffers.empty_packed_like if varlen else buffers.empty_like
-    if B * Hq * Nq == 0 or k.shape[2] == 0:
-        grads = [like(t).zero_() for t in (q, k, v)]
-        dsinks = None
-        if sinks is not None:  # no keys: out = 0 and lse = sinks[h], so only the LSE's gradient reaches them
-            dsinks = torch.zeros(Hq, dtype=torch.float32, device=q.device)
-            if dlse is not None:
-                dsinks += dlse.float().sum(dim=(0, 2))
-        return (*grads, dsinks)
-    plan = _launch_plan(q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), dout.stride(),
-                        None if dlse is None else dlse.stride(), q.dtype, q.device, sinks is not None, pattern,
-                        scale, cu_seqlens[0].shape[0] - 1 if varlen else None, config, dot_precision(q.dtype))
-    stats = buffers.empty(plan.stats_shape, dtype=torch.float32, device=q.device)
-    delta, lse2 = stats[0], stats[1]                                                # (B, Hq, Nq) each
-    cu_q, cu_k = cu_seqlens if varlen else (lse, lse)  # any pointer when VARLEN is off
-    dq_tma = plan.dq_tma and descriptors.supported(k, v)
-    dkdv_tma = plan.dkdv_tma and descriptors.supported(q, dout)
-    k_in, v_in, q_in, do_in = k, v, q, dout
-    if dq_tma:  # dQ reads its K, V tiles through descriptors
-        k_in, v_in = (descriptors.tiles(t, plan.dq_tile) for t in (k, v))
-    if dkdv_tma:  # dK/dV its Q, dO tiles
-        q_in, do_in = (descriptors.tiles(t, plan.dkdv_tile) for t in (q, dout))
-
-    # dQ first: its programs also store delta and lse2, which every dK/dV program reads
-    dq = like(q)
-    shares = dsinks = None
-    if sinks is not None:
-        shares = buffers.empty(plan.shares_shape, dtype=torch.float32, device=q.device)  # (seqs, n_q_tiles, Hq)
-        dsinks = buffers.empty((Hq,), dtype=torch.float32, device=q.device)             # summed by _dkdv
-    launch(_dq, plan.dq_grid, (q, k_in, v_in, out, dout, dlse, lse, sinks, lse2, delta, dq, shares,
-                               plan.kv_table, cu_q, cu_k),
-           (*plan.dq_head, *batch_strides(dq.stride(), varlen), *plan.dq_tail), plan.dq_options[dq_tma])
-
-    dk, dv = like(k), like(v)
-    pk, pv = dk, dv
-    if plan.partials_shape is not None:
-        pk, pv = buffers.empty(plan.partials_shape, dtype=torch.float32, device=q.device)
-    launch(_dkdv, plan.dkdv_grid, (q_in, k, v, do_in, lse2, delta, pk, pv, plan.work, shares, dsinks, cu_q, cu_k),
-           (*plan.dkdv_head, *batch_strides(dk.stride(), varlen), *batch_strides(dv.stride(), varlen),
-            *plan.dkdv_tail), plan.dkdv_options[dkdv_tma])
-    if plan.sum_grid is not None:
-        launch(_sum_partials, plan.sum_grid, (pk, pv, dk, dv, plan.first),
-               (*dk.stride()[:3], *dv.stride()[:3], *plan.sum_tail), plan.sum_options)
-    return dq, dk, dv, dsinks

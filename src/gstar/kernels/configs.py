@@ -163,7 +163,7 @@ class BackwardConfig:
     ``dkdv_stages`` pipeline stages); ``_dq`` walks KV blocks of ``dq_n`` keys over a Q tile of ``dq_m`` rows.
     ``head_splits`` (a divisor of the GQA group) and ``q_chunk`` (Q tiles per dK/dV program) split the dK/dV
     work over more programs whose float32 partial sums are added in a fixed order; 0 lets
-    :func:`gstar.kernels.backward.split_plan` choose from the SM count (1 and unbounded when the grid is
+    :func:`gstar.kernels.schedule.split_plan` choose from the SM count (1 and unbounded when the grid is
     already large). ``flat`` runs each program's tiles as one pipelined loop with every tile masked,
     instead of one loop per (head, masked / unmasked range): narrow windows have few tiles per range, and
     short loops spend most of their time filling and draining the pipeline. ``dkdv_tma`` and ``dq_tma``
@@ -229,7 +229,7 @@ def backward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device,
     ``batch_heads`` = B * Hq, which with the pattern sizes the work for the descriptor switches).
 
     Under the interpreter the tiles are small and unequal, so that the two block tables differ and tests
-    span several tiles; the dK/dV split is left to :func:`gstar.kernels.backward.split_plan` (which does not
+    span several tiles; the dK/dV split is left to :func:`gstar.kernels.schedule.split_plan` (which does not
     split on CPU: tests force it through ``head_splits`` / ``q_chunk``).
     """
     if torch.device(device).type != "cuda":

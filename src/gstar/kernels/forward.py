@@ -18,22 +18,14 @@ windows); ``HALVES`` runs the tile as two halves whose softmax and products over
 
 from __future__ import annotations
 
-import functools
 import math
-from typing import NamedTuple
 
-import torch
 import triton
 import triton.language as tl
 
-from ..pattern import Pattern, cdiv
-from .. import buffers
-from .configs import dot_precision, forward_config, pad_head_dim
-from .launch import constexprs, launch
 from .ranges import kv_range, sequence_bounds, tile_rows, visible
 
-LOG2E = math.log2(math.e)
-_LOG2E = tl.constexpr(LOG2E)
+_LOG2E = tl.constexpr(math.log2(math.e))
 _LN2 = tl.constexpr(math.log(2.0))
 
 
@@ -264,81 +256,3 @@ def _forward_kernel(
     if HALVES:
         _finish_rows(Out, Lse, acc2, m2, l2, offs_m + R, h0, row_start, q_start, b, stride_ob, stride_oh,
                     stride_om, stride_lb, stride_lh, offs_d, d_ok, Nq, ROWS)
-
-
-class _Plan(NamedTuple):
-    """What a forward launch needs besides the data, derived once per layout by :func:`_launch_plan`."""
-
-    grid: tuple[int, int, int]
-    lse_shape: tuple[int, int, int]
-    head: tuple   # scalars before Out's strides: the strides of q, k, v
-    tail: tuple   # scalars after them: Lse's strides, group, Nq, Nk, left, right, sink_tokens, qk_scale
-    options: tuple
-
-
-def batch_strides(stride: tuple, varlen: bool) -> tuple:
-    """The (batch, head, row) strides a kernel takes from a tensor's ``stride()``: packed sequences are
-    found through cu_seqlens, not a batch stride."""
-    return (0, *stride[1:3]) if varlen else stride[:3]
-
-
-@functools.lru_cache(maxsize=256)
-def _launch_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tuple, v_stride: tuple,
-                 dtype: torch.dtype, device: torch.device, has_sinks: bool, pattern: Pattern, scale: float,
-                 seqs: int | None, config: tuple | None, precision: str) -> _Plan:
-    """The launch of one layout (shapes, strides, dtype, pattern; ``seqs``: the number of packed sequences,
-    None for a dense batch; ``config``: the caller's overrides as sorted items). A cache hit costs a few
-    us, where deriving the launch costs tens at every call, more than a small layer's GPU time."""
-    B, Hq, Nq, D = q_shape
-    Hkv, Nk = k_shape[1], k_shape[2]
-    varlen = seqs is not None
-    cfg = forward_config(D, dtype, pattern, device, group=Hq // Hkv)
-    cfg.update(config or ())
-    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    pack = math.gcd(cfg["PACK_GQA"], Hq // Hkv, block_m)
-    rows = block_m // pack  # positions per tile and head
-    grid = (Hq // pack, cdiv(pattern.nq, rows), seqs if varlen else B)
-    if cfg["TILES_FASTEST"]:
-        grid = (grid[1], grid[0], grid[2])
-    d_pad = pad_head_dim(D)
-    return _Plan(
-        grid, (B, Hq, Nq), tuple(x for s in (q_stride, k_stride, v_stride) for x in batch_strides(s, varlen)),
-        (0 if varlen else Hq * Nq, Nq, Hq // Hkv, Nq, Nk, pattern.left, pattern.right, pattern.sink_tokens,
-         scale * LOG2E),
-        constexprs(
-            HEAD_DIM=D, D_PAD=d_pad, EVEN_D=d_pad == D, BLOCK_M=block_m, BLOCK_N=block_n, PACK=pack,
-            HAS_LEFT=pattern.left >= 0, HAS_RIGHT=pattern.right >= 0, HAS_SINK_TOKENS=pattern.sink_tokens > 0,
-            HAS_SINKS=has_sinks, FOLD_SCALE=bool(cfg["FOLD_SCALE"]) and scale > 0,
-            TILES_FASTEST=bool(cfg["TILES_FASTEST"]), FLAT=bool(cfg["FLAT"]), HALVES=bool(cfg["HALVES"]),
-            VARLEN=varlen, PRECISION=precision, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
-
-
-def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: dict | None = None, *,
-                      cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """Attention forward on validated inputs; returns ``(out, lse)``.
-
-    Dense: q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D); pattern: the normalised :class:`Pattern` of the
-    batch. Packed (``cu_seqlens=(cu_q, cu_k)``, each (num_seqs + 1,) int32 on q's device): q: (1, Hq,
-    total_q, D), k, v: (1, Hkv, total_k, D) (heads-first views of the packed tensors), and ``pattern``
-    carries the window and the longest lengths (max_seqlen_q, max_seqlen_k); each sequence gets its own
-    pattern inside the kernel, with nothing read on the host.
-    float16/bfloat16/float32, any strides with unit last stride (never copied). sinks: None or (Hq,)
-    float32, unscaled. ``config`` overrides :func:`forward_config` (same keys; missing switches take its
-    defaults), for tests and tuning. The switches are requests: ``FOLD_SCALE`` is ignored for scale <= 0,
-    and ``PACK_GQA`` shrinks to the largest power of two dividing the GQA group.
-
-    out: q's shape and dtype, zero rows where no key is visible; dense: in q's memory layout, packed: a
-    heads-first view of a contiguous (total_q, Hq, D) tensor.
-    lse: (B, Hq, Nq), or (1, Hq, total_q) when packed, float32 contiguous natural-log logsumexp with the
-    sink term; ``-inf`` (or ``sinks[h]``) for rows that see no key.
-    """
-    varlen = cu_seqlens is not None
-    plan = _launch_plan(q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device,
-                        sinks is not None, pattern, scale, cu_seqlens[0].shape[0] - 1 if varlen else None,
-                        tuple(sorted(config.items())) if config else None, dot_precision(q.dtype))
-    out = (buffers.empty_packed_like if varlen else buffers.empty_like)(q)         # q's shape
-    lse = buffers.empty(plan.lse_shape, dtype=torch.float32, device=q.device)      # (B, Hq, Nq)
-    cu_q, cu_k = cu_seqlens if varlen else (lse, lse)  # any pointer when VARLEN is off
-    launch(_forward_kernel, plan.grid, (q, k, v, sinks, out, lse, cu_q, cu_k),
-           (*plan.head, *batch_strides(out.stride(), varlen), *plan.tail), plan.options)
-    return out, lse
