@@ -116,6 +116,10 @@ def test_keys_separate_what_triton_specialises_on():
     assert classes((0.5,)) == classes((2.0,)) != classes((2,))        # floats by type only, not ints
     assert classes((True,)) != classes((1,))                         # a bool is not the int 1
     assert classes(("text",)) is None                                # anything else: Triton's own path
+    assert classes(((1, 16, 17),)) == classes(((1, 32, 5),))         # a tuple of strides, element by element
+    assert classes(((1, 16, 17),)) != classes(((2, 16, 17),)) != classes(((1, 17, 17),))
+    assert classes(((16, 1),)) != classes((16, 1))                   # one tuple argument is not two ints
+    assert classes(((1, "text"),)) is None
 
 
 def _run_and_check(device, x, n, stride, factor, negate=False):

@@ -19,8 +19,8 @@ from ..pattern import Pattern, cdiv, kv_block_table
 from .. import buffers
 from . import descriptors
 from .backward import _dkdv, _dq, _sum_partials
-from .configs import BackwardConfig, backward_config, dot_precision, forward_config, next_power_of_2, pad_head_dim
-from .forward import _forward_kernel
+from .configs import BackwardConfig, backward_config, dot_precision, forward_config, pad_head_dim
+from .forward import _forward_kernel, tiles_fastest
 from .launch import constexprs, launch
 from .schedule import split_plan
 
@@ -28,9 +28,9 @@ LOG2E = math.log2(math.e)
 
 
 def batch_strides(stride: tuple, varlen: bool) -> tuple:
-    """The (batch, head, row) strides a kernel takes from a tensor's ``stride()``: packed sequences are
-    found through cu_seqlens, not a batch stride."""
-    return (0, *stride[1:3]) if varlen else stride[:3]
+    """The (batch, head, row) strides a kernel takes, as one argument, from a tensor's ``stride()``: packed
+    sequences are found through cu_seqlens, not a batch stride."""
+    return (0, *stride[1:3]) if varlen else tuple(stride[:3])
 
 
 class _ForwardPlan(NamedTuple):
@@ -40,13 +40,13 @@ class _ForwardPlan(NamedTuple):
     lse_shape: tuple[int, int, int]
     head: tuple   # scalars before Out's strides: the strides of q, k, v
     tail: tuple   # scalars after them: Lse's strides, group, Nq, Nk, left, right, sink_tokens, qk_scale
-    options: tuple
+    options: tuple  # constexprs and launch options
 
 
 @functools.lru_cache(maxsize=256)
 def _forward_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tuple, v_stride: tuple,
-                 dtype: torch.dtype, device: torch.device, has_sinks: bool, pattern: Pattern, scale: float,
-                 seqs: int | None, config: tuple | None, precision: str) -> _ForwardPlan:
+                  dtype: torch.dtype, device: torch.device, pattern: Pattern, scale: float, seqs: int | None,
+                  config: tuple | None, precision: str) -> _ForwardPlan:
     """The launch of one layout (shapes, strides, dtype, pattern; ``seqs``: the number of packed sequences,
     None for a dense batch; ``config``: the caller's overrides as sorted items). A cache hit costs a few
     us, where deriving the launch costs tens at every call, more than a small layer's GPU time."""
@@ -58,20 +58,18 @@ def _forward_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tup
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     pack = math.gcd(cfg["PACK_GQA"], Hq // Hkv, block_m)
     rows = block_m // pack  # positions per tile and head
+    has_left, has_right = pattern.left >= 0, pattern.right >= 0
     grid = (Hq // pack, cdiv(pattern.nq, rows), seqs if varlen else B)
-    if cfg["TILES_FASTEST"]:
+    if tiles_fastest(has_left, has_right):  # the kernel reads its grid axes by the same rule
         grid = (grid[1], grid[0], grid[2])
-    d_pad = pad_head_dim(D)
     return _ForwardPlan(
-        grid, (B, Hq, Nq), tuple(x for s in (q_stride, k_stride, v_stride) for x in batch_strides(s, varlen)),
-        (0 if varlen else Hq * Nq, Nq, Hq // Hkv, Nq, Nk, pattern.left, pattern.right, pattern.sink_tokens,
+        grid, (B, Hq, Nq), tuple(batch_strides(s, varlen) for s in (q_stride, k_stride, v_stride)),
+        ((0 if varlen else Hq * Nq, Nq), Hq // Hkv, Nq, Nk, pattern.left, pattern.right, pattern.sink_tokens,
          scale * LOG2E),
         constexprs(
-            HEAD_DIM=D, D_PAD=d_pad, EVEN_D=d_pad == D, BLOCK_M=block_m, BLOCK_N=block_n, PACK=pack,
-            HAS_LEFT=pattern.left >= 0, HAS_RIGHT=pattern.right >= 0, HAS_SINK_TOKENS=pattern.sink_tokens > 0,
-            HAS_SINKS=has_sinks, FOLD_SCALE=bool(cfg["FOLD_SCALE"]) and scale > 0,
-            TILES_FASTEST=bool(cfg["TILES_FASTEST"]), FLAT=bool(cfg["FLAT"]), HALVES=bool(cfg["HALVES"]),
-            VARLEN=varlen, PRECISION=precision, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+            HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, PACK=pack, HAS_LEFT=has_left, HAS_RIGHT=has_right,
+            HAS_SINK_TOKENS=pattern.sink_tokens > 0, FLAT=bool(cfg["FLAT"]), HALVES=bool(cfg["HALVES"]),
+            PRECISION=precision, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
 
 
 def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: dict | None = None, *,
@@ -84,9 +82,9 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
     carries the window and the longest lengths (max_seqlen_q, max_seqlen_k); each sequence gets its own
     pattern inside the kernel, with nothing read on the host.
     float16/bfloat16/float32, any strides with unit last stride (never copied). sinks: None or (Hq,)
-    float32, unscaled. ``config`` overrides :func:`forward_config` (same keys; missing switches take its
-    defaults), for tests and tuning. The switches are requests: ``FOLD_SCALE`` is ignored for scale <= 0,
-    and ``PACK_GQA`` shrinks to the largest power of two dividing the GQA group.
+    float32, unscaled. scale: any finite float. ``config`` overrides :func:`forward_config` (same keys;
+    missing switches take its defaults), for tests and tuning; ``PACK_GQA`` is a request that shrinks to the
+    largest power of two dividing the GQA group.
 
     out: q's shape and dtype, zero rows where no key is visible; dense: in q's memory layout, packed: a
     heads-first view of a contiguous (total_q, Hq, D) tensor.
@@ -94,14 +92,20 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
     sink term; ``-inf`` (or ``sinks[h]``) for rows that see no key.
     """
     varlen = cu_seqlens is not None
-    plan = _forward_plan(q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device,
-                        sinks is not None, pattern, scale, cu_seqlens[0].shape[0] - 1 if varlen else None,
-                        tuple(sorted(config.items())) if config else None, dot_precision(q.dtype))
     out = (buffers.empty_packed_like if varlen else buffers.empty_like)(q)         # q's shape
+    q_in = q
+    if scale <= 0:
+        # the kernel scales each block's max over raw scores, which needs a positive factor: the sign of the
+        # scale, or a zero scale, goes into a copy of q (in the kernel, a scaled Q tile would leave shared
+        # memory for registers and cost every block of every call)
+        q_in, scale = (-q, -scale) if scale < 0 else (q * 0.0, 1.0)
+    plan = _forward_plan(q_in.shape, q_in.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, pattern,
+                         scale, cu_seqlens[0].shape[0] - 1 if varlen else None,
+                         tuple(sorted(config.items())) if config else None, dot_precision(q.dtype))
     lse = buffers.empty(plan.lse_shape, dtype=torch.float32, device=q.device)      # (B, Hq, Nq)
-    cu_q, cu_k = cu_seqlens if varlen else (lse, lse)  # any pointer when VARLEN is off
-    launch(_forward_kernel, plan.grid, (q, k, v, sinks, out, lse, cu_q, cu_k),
-           (*plan.head, *batch_strides(out.stride(), varlen), *plan.tail), plan.options)
+    cu_q, cu_k = cu_seqlens if varlen else (None, None)
+    launch(_forward_kernel, plan.grid, (q_in, k, v, sinks, out, lse, cu_q, cu_k),
+           (*plan.head, batch_strides(out.stride(), varlen), *plan.tail), plan.options)
     return out, lse
 
 
@@ -134,9 +138,9 @@ class _BackwardPlan(NamedTuple):
 
 @functools.lru_cache(maxsize=256)
 def _backward_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tuple, v_stride: tuple,
-                 o_stride: tuple, do_stride: tuple, dlse_stride: tuple | None, dtype: torch.dtype,
-                 device: torch.device, has_sinks: bool, pattern: Pattern, scale: float, seqs: int | None,
-                 config: BackwardConfig | None, precision: str) -> _BackwardPlan:
+                   o_stride: tuple, do_stride: tuple, dlse_stride: tuple | None, dtype: torch.dtype,
+                   device: torch.device, has_sinks: bool, pattern: Pattern, scale: float, seqs: int | None,
+                   config: BackwardConfig | None, precision: str) -> _BackwardPlan:
     """The launches of one layout (as :func:`_forward_plan`; ``dlse_stride`` None without an LSE gradient)."""
     B, Hq, Nq, D = q_shape
     Hkv, Nk = k_shape[1], k_shape[2]
@@ -146,11 +150,10 @@ def _backward_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tu
     d_pad = pad_head_dim(D)
     shared = dict(
         HAS_LEFT=pattern.left >= 0, HAS_RIGHT=pattern.right >= 0, HAS_SINK_TOKENS=pattern.sink_tokens > 0,
-        PRECISION=precision, GROUP=group, HEAD_DIM=D, D_PAD=d_pad, FLAT=cfg.flat, VARLEN=varlen,
+        PRECISION=precision, GROUP=group, HEAD_DIM=D, FLAT=cfg.flat,
     )
     runtime = (pattern.left, pattern.right, pattern.sink_tokens, float(scale), scale * LOG2E)
-    stats_strides = (Hq * Nq, Nq)  # delta, lse2 and LSE: (B, Hq, Nq) contiguous
-    lse_strides = batch_strides((*stats_strides, 1), varlen)[:2]
+    lse_strides = batch_strides((Hq * Nq, Nq, 1), varlen)[:2]  # delta, lse2 and LSE: (B, Hq, Nq) contiguous
     q_s, k_s, v_s, o_s, do_s = (batch_strides(s, varlen) for s in (q_stride, k_stride, v_stride, o_stride, do_stride))
     dl_s = batch_strides(dlse_stride or (0, 0, 0), varlen)  # dLSE's (unused without one)
 
@@ -158,9 +161,8 @@ def _backward_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tu
     rows = cfg.dq_m // pack  # positions per dQ tile and head
     n_q_tiles = cdiv(pattern.nq, rows)
     programs = seqs if varlen else B
-    dq_options = [constexprs(
-        HAS_DLSE=dlse_stride is not None, HAS_SINKS=has_sinks, BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n, PACK=pack,
-        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, TMA=tma, **shared) for tma in (False, True)]
+    dq_options = [constexprs(BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n, PACK=pack, num_warps=cfg.dq_warps,
+                             num_stages=cfg.dq_stages, TMA=tma, **shared) for tma in (False, True)]
 
     if varlen:
         head_splits, work, first = 1, None, None
@@ -170,28 +172,24 @@ def _backward_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tu
                                               head_splits=cfg.head_splits, q_chunk=cfg.q_chunk)
         n_tiles, n_items = first.shape[0] - 1, work.shape[0]
     split = head_splits > 1 or n_items > n_tiles
-    group_pad = next_power_of_2(group)
-    dkdv_options = [constexprs(
-        SPLIT=split, HAS_SINKS=has_sinks, GROUP_PAD=group_pad, SHARE_ROWS=max(16, 2048 // group_pad),
-        BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, TMA=tma,
-        **shared) for tma in (False, True)]
+    dkdv_options = [constexprs(SPLIT=split, BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, num_warps=cfg.dkdv_warps,
+                               num_stages=cfg.dkdv_stages, TMA=tma, **shared) for tma in (False, True)]
     return _BackwardPlan(
         stats_shape=(2, B, Hq, Nq),
         shares_shape=(programs, n_q_tiles, Hq) if has_sinks else None,
         partials_shape=(2, B, Hkv, head_splits, n_items, cfg.dkdv_n, d_pad) if split else None,
         dq_grid=(n_q_tiles, Hq // pack, programs),
-        dq_head=(*q_s, *k_s, *v_s, *o_s, *do_s),
-        dq_tail=(*dl_s, *lse_strides, Nq, Nk, *runtime),
+        dq_head=(q_s, k_s, v_s, o_s, do_s),
+        dq_tail=(dl_s, lse_strides, Nq, Nk, *runtime),
         dq_options=tuple(dq_options), dq_tma=cfg.dq_tma and not varlen,
         kv_table=None if varlen else kv_block_table(pattern, rows, cfg.dq_n, device),  # (n_q_tiles, 5)
         dkdv_grid=(n_items, Hkv * head_splits, programs),
-        dkdv_head=(*q_s, *k_s, *v_s, *do_s),
-        dkdv_tail=(*lse_strides, Nq, Nk, head_splits, n_items, programs * n_q_tiles, *runtime),
+        dkdv_head=(q_s, k_s, v_s, do_s),
+        dkdv_tail=(lse_strides, Nq, Nk, head_splits, n_items, programs * n_q_tiles, *runtime),
         dkdv_options=tuple(dkdv_options), dkdv_tma=cfg.dkdv_tma and not varlen, work=work,
         sum_grid=(n_tiles, Hkv, B) if split else None,
         sum_tail=(Hkv, Nk, head_splits, n_items),
-        sum_options=constexprs(BLOCK_N=cfg.dkdv_n, ROWS=min(cfg.dkdv_n, max(16, 2048 // d_pad)), HEAD_DIM=D,
-                               D_PAD=d_pad, num_warps=4),
+        sum_options=constexprs(BLOCK_N=cfg.dkdv_n, HEAD_DIM=D, num_warps=4),
         first=first, dq_tile=(1, 1, cfg.dq_n, d_pad), dkdv_tile=(1, 1, cfg.dkdv_m, d_pad),
     )
 
@@ -231,11 +229,11 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
                 dsinks += dlse.float().sum(dim=(0, 2))
         return (*grads, dsinks)
     plan = _backward_plan(q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), dout.stride(),
-                        None if dlse is None else dlse.stride(), q.dtype, q.device, sinks is not None, pattern,
-                        scale, cu_seqlens[0].shape[0] - 1 if varlen else None, config, dot_precision(q.dtype))
+                          None if dlse is None else dlse.stride(), q.dtype, q.device, sinks is not None, pattern,
+                          scale, cu_seqlens[0].shape[0] - 1 if varlen else None, config, dot_precision(q.dtype))
     stats = buffers.empty(plan.stats_shape, dtype=torch.float32, device=q.device)
     delta, lse2 = stats[0], stats[1]                                                # (B, Hq, Nq) each
-    cu_q, cu_k = cu_seqlens if varlen else (lse, lse)  # any pointer when VARLEN is off
+    cu_q, cu_k = cu_seqlens if varlen else (None, None)
     dq_tma = plan.dq_tma and descriptors.supported(k, v)
     dkdv_tma = plan.dkdv_tma and descriptors.supported(q, dout)
     k_in, v_in, q_in, do_in = k, v, q, dout
@@ -252,16 +250,17 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
         dsinks = buffers.empty((Hq,), dtype=torch.float32, device=q.device)             # summed by _dkdv
     launch(_dq, plan.dq_grid, (q, k_in, v_in, out, dout, dlse, lse, sinks, lse2, delta, dq, shares,
                                plan.kv_table, cu_q, cu_k),
-           (*plan.dq_head, *batch_strides(dq.stride(), varlen), *plan.dq_tail), plan.dq_options[dq_tma])
+           (*plan.dq_head, batch_strides(dq.stride(), varlen), *plan.dq_tail), plan.dq_options[dq_tma])
 
     dk, dv = like(k), like(v)
     pk, pv = dk, dv
     if plan.partials_shape is not None:
         pk, pv = buffers.empty(plan.partials_shape, dtype=torch.float32, device=q.device)
     launch(_dkdv, plan.dkdv_grid, (q_in, k, v, do_in, lse2, delta, pk, pv, plan.work, shares, dsinks, cu_q, cu_k),
-           (*plan.dkdv_head, *batch_strides(dk.stride(), varlen), *batch_strides(dv.stride(), varlen),
+           (*plan.dkdv_head, batch_strides(dk.stride(), varlen), batch_strides(dv.stride(), varlen),
             *plan.dkdv_tail), plan.dkdv_options[dkdv_tma])
     if plan.sum_grid is not None:
         launch(_sum_partials, plan.sum_grid, (pk, pv, dk, dv, plan.first),
-               (*dk.stride()[:3], *dv.stride()[:3], *plan.sum_tail), plan.sum_options)
+               (batch_strides(dk.stride(), False), batch_strides(dv.stride(), False), *plan.sum_tail),
+               plan.sum_options)
     return dq, dk, dv, dsinks

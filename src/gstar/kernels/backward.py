@@ -1,4 +1,4 @@
-"""The Triton backward: dQ, dK, dV and dsinks, recomputing probabilities from the forward's LSE.
+"""The Triton backward kernels: dQ, dK, dV and dsinks, recomputing probabilities from the forward's LSE.
 
 Kernels, each one family specialised by ``tl.constexpr`` flags, in launch order:
 
@@ -12,9 +12,9 @@ Kernels, each one family specialised by ``tl.constexpr`` flags, in launch order:
   GQA group; the program keeps K, V and the dK, dV accumulators on chip while it walks those (head,
   Q tile) pairs. K/V are never expanded. :func:`gstar.kernels.schedule.split_plan` picks the split from
   the SM count: with few kv heads (MQA: 64 KV tiles on 132 SMs) or one KV tile seen by every Q tile (sink
-  tokens, causal starts) a single program per tile would leave SMs idle behind one long program. With learned sinks the program
-  of the first item (of the first sequence) of each (kv head, head split) also adds up its query heads'
-  dsinks shares, after its own tile.
+  tokens, causal starts) a single program per tile would leave SMs idle behind one long program. With
+  learned sinks the program of the first item (of the first sequence) of each (kv head, head split) also
+  adds up its query heads' dsinks shares, after its own tile.
 * ``_sum_partials``: when work is split, each program writes float32 partials and this kernel adds them,
   per KV tile, in a fixed order. Without a split ``_dkdv`` writes dK, dV directly.
 
@@ -22,15 +22,16 @@ On Hopper, large dense problems read the tiles each step loads (dQ: K, V; dK/dV:
 descriptors (``TMA``, :mod:`gstar.kernels.descriptors`; chosen by ``configs.backward_config``): the copy
 engine zero-fills rows past the sequence and lanes past the head dim, so those loads need no masks.
 
-Packed sequences (``VARLEN``) run the same kernels with the sequence on grid axis 2: each program reads
-its sequence's bounds from ``cu_seqlens`` on the device, so one launch per kernel covers every sequence.
+Packed sequences (``CuQ``, ``CuK`` given) run the same kernels with the sequence on grid axis 2: each program
+reads its sequence's bounds from ``cu_seqlens`` on the device, so one launch per kernel covers every
+sequence. Learned sinks, an LSE gradient and the padded head dim likewise follow from the arguments.
 
 Each tile step is one ``@triton.jit`` helper with a ``MASKED`` flag. By default a program walks masked
-boundary ranges and an unmasked interior as separate loops (interior tiles skip the visibility rule of
-:mod:`gstar.pattern`); with ``FLAT`` it walks all its tiles as one masked loop, which narrow windows
-prefer (their ranges are one or two tiles long, too short to pipeline). No atomics and a fixed loop and
-summation order: the gradients are bitwise reproducible. Memory is linear in N: besides the gradients,
-``delta`` and the base-2 LSE, both ``(B, Hq, Nq)`` float32, and the partials, at most
+boundary ranges and an unmasked interior as separate loops (interior tiles skip the visibility rule,
+:func:`gstar.kernels.ranges.visible`); with ``FLAT`` it walks all its tiles as one masked loop, which
+narrow windows prefer (their ranges are one or two tiles long, too short to pipeline). No atomics and a
+fixed loop and summation order: the gradients are bitwise reproducible. Memory is linear in N: besides the
+gradients, ``delta`` and the base-2 LSE, both ``(B, Hq, Nq)`` float32, and the partials, at most
 ``schedule._MAX_PARTIAL_RATIO`` times dK + dV's size in float32 (and only when the grid is small).
 """
 
@@ -42,6 +43,7 @@ import triton
 import triton.language as tl
 
 from ..pattern import KV_BAND_END, KV_BAND_START, KV_FULL_END, KV_FULL_START, KV_SINK_END
+from .configs import next_power_of_2, pad_head_dim
 from .ranges import kv_range, q_range, sequence_bounds, tile_rows, visible
 
 _LOG2E = tl.constexpr(math.log2(math.e))
@@ -50,14 +52,14 @@ assert (KV_SINK_END, KV_BAND_START, KV_FULL_START, KV_FULL_END, KV_BAND_END) == 
 
 
 @triton.jit
-def _load_rows(ptr, idx, n, stride, offs_d, CHECK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-               D_PAD: tl.constexpr):
+def _load_rows(ptr, idx, n, stride, CHECK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Rows ``idx`` (R,) of an (n, HEAD_DIM) matrix with row stride ``stride`` as an (R, D_PAD) tile, zeros
     outside. Unchecked rows and an unpadded head dim load without a mask."""
+    offs_d = tl.arange(0, pad_head_dim(HEAD_DIM))                                       # (D_PAD,)
     ptrs = ptr + idx.to(tl.int64)[:, None] * stride + offs_d[None, :]
     if CHECK_ROWS:
         x = tl.load(ptrs, mask=(idx[:, None] < n) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    elif HEAD_DIM != D_PAD:
+    elif HEAD_DIM != pad_head_dim(HEAD_DIM):
         x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
     else:
         x = tl.load(ptrs)
@@ -65,42 +67,43 @@ def _load_rows(ptr, idx, n, stride, offs_d, CHECK_ROWS: tl.constexpr, HEAD_DIM: 
 
 
 @triton.jit
-def _load_pair(A, B, seq, head, start, n, stride_a, stride_b, offs_d, ROWS: tl.constexpr, CHECK_ROWS: tl.constexpr,
-               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TMA: tl.constexpr):
+def _load_pair(A, B, seq, head, start, n, stride_a, stride_b, ROWS: tl.constexpr, CHECK_ROWS: tl.constexpr,
+               HEAD_DIM: tl.constexpr, TMA: tl.constexpr):
     """Rows ``start .. start + ROWS - 1`` of one head of two operands as (ROWS, D_PAD) tiles, zeros outside.
 
     With TMA, A and B are descriptors over (B, H, n, HEAD_DIM) read at batch ``seq``, head ``head`` (int32),
     whose copy engine zero-fills rows past n and lanes past HEAD_DIM; otherwise pointers at row 0 of the
-    head (see ``_load_rows``).
+    head with row strides ``stride_a``, ``stride_b`` (see ``_load_rows``).
     """
     if TMA:
-        a = A.load([seq, head, start, 0]).reshape(ROWS, D_PAD)
-        b = B.load([seq, head, start, 0]).reshape(ROWS, D_PAD)
+        a = A.load([seq, head, start, 0]).reshape(ROWS, pad_head_dim(HEAD_DIM))
+        b = B.load([seq, head, start, 0]).reshape(ROWS, pad_head_dim(HEAD_DIM))
     else:
         idx = start + tl.arange(0, ROWS)                                                # (ROWS,)
-        a = _load_rows(A, idx, n, stride_a, offs_d, CHECK_ROWS, HEAD_DIM, D_PAD)
-        b = _load_rows(B, idx, n, stride_b, offs_d, CHECK_ROWS, HEAD_DIM, D_PAD)
+        a = _load_rows(A, idx, n, stride_a, CHECK_ROWS, HEAD_DIM)
+        b = _load_rows(B, idx, n, stride_b, CHECK_ROWS, HEAD_DIM)
     return a, b
 
 
 @triton.jit
-def _store_rows(ptr, idx, n, stride, offs_d, x, HEAD_DIM: tl.constexpr):
+def _store_rows(ptr, idx, n, stride, x, HEAD_DIM: tl.constexpr):
     """Stores the (R, D_PAD) tile ``x`` into rows ``idx`` (R,) of an (n, HEAD_DIM) matrix, cast to its dtype."""
+    offs_d = tl.arange(0, pad_head_dim(HEAD_DIM))                                       # (D_PAD,)
     ptrs = ptr + idx.to(tl.int64)[:, None] * stride + offs_d[None, :]
     tl.store(ptrs, x.to(ptr.dtype.element_ty), mask=(idx[:, None] < n) & (offs_d[None, :] < HEAD_DIM))
 
 
 @triton.jit
-def _head_rows(A, B, b, h, start, stride_ab, stride_ah, stride_an, stride_bb, stride_bh, stride_bn,
-               TMA: tl.constexpr):
-    """Row ``start`` of head ``h`` of batch ``b`` (int64) in two (B, H, N, D) operands, or with TMA the
-    descriptors themselves (their loads take the indices)."""
+def _head_rows(A, B, b, h, start, stride_a, stride_b, TMA: tl.constexpr):
+    """Row ``start`` of head ``h`` of batch ``b`` (int64) in two (B, H, N, D) operands with (batch, head,
+    row) strides ``stride_a``, ``stride_b``, or with TMA the descriptors themselves (their loads take the
+    indices)."""
     if TMA:
         a_rows = A
         b_rows = B
     else:
-        a_rows = A + b * stride_ab + h * stride_ah + start * stride_an
-        b_rows = B + b * stride_bb + h * stride_bh + start * stride_bn
+        a_rows = A + b * stride_a[0] + h * stride_a[1] + start * stride_a[2]
+        b_rows = B + b * stride_b[0] + h * stride_b[1] + start * stride_b[2]
     return a_rows, b_rows
 
 
@@ -113,29 +116,29 @@ def _table_row(Table, index):
 
 @triton.jit
 def _dkdv_step(
-    dk, dv, k, v, Q, DO, LSE2, DELTA, seq, head, m_start, stride_qn, stride_don, offs_n, offs_d,
+    dk, dv, k, v, Q, DO, LSE2, DELTA, seq, head, m_start, stride_qn, stride_don, offs_n,
     nq, nk, left, right, sink_tokens, qk_scale,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
-    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TMA: tl.constexpr,
-    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Adds one Q tile's contribution to dk, dv (BLOCK_N, D_PAD) float32.
 
-    k, v: (BLOCK_N, D_PAD); LSE2, DELTA point at the (Nq,) rows of one query head, and so do Q, DO, or
-    with TMA they are descriptors over (B, Hq, Nq, HEAD_DIM) read at batch ``seq``, head ``head`` (int32).
-    Scores are kept transposed, (BLOCK_N, BLOCK_M), so that both products land in the accumulators' layout.
+    k, v: (BLOCK_N, D_PAD) of keys ``offs_n`` (BLOCK_N,); LSE2, DELTA point at the (Nq,) rows of one query
+    head, and so do Q, DO, or with TMA they are descriptors over (B, Hq, Nq, HEAD_DIM) read at batch
+    ``seq``, head ``head`` (int32). Scores are kept transposed, (BLOCK_N, BLOCK_M), so that both products
+    land in the accumulators' layout.
     """
     offs_m = m_start + tl.arange(0, BLOCK_M)                                            # (BLOCK_M,)
-    q, do = _load_pair(Q, DO, seq, head, m_start, nq, stride_qn, stride_don, offs_d, BLOCK_M, MASKED, HEAD_DIM,
-                       D_PAD, TMA)                                                      # (BLOCK_M, D_PAD)
+    q, do = _load_pair(Q, DO, seq, head, m_start, nq, stride_qn, stride_don, ROWS=BLOCK_M, CHECK_ROWS=MASKED,
+                       HEAD_DIM=HEAD_DIM, TMA=TMA)                                      # (BLOCK_M, D_PAD)
     if MASKED:
         lse2 = tl.load(LSE2 + offs_m, mask=offs_m < nq, other=float("inf"))             # (BLOCK_M,)
         delta = tl.load(DELTA + offs_m, mask=offs_m < nq, other=0.0)                    # (BLOCK_M,)
     else:
         lse2 = tl.load(LSE2 + offs_m)
         delta = tl.load(DELTA + offs_m)
-    # both products that need only loaded tiles first, then the softmax work: H200, dK/dV at gpt-oss causal
-    # 1.395 -> 1.33 ms, D128 full 8.48 -> 7.78 ms (the same order made dQ 57% slower: it keeps its own)
+    # both products that need only loaded tiles first, then the softmax work, so that the second product
+    # overlaps the exponentials (dQ's step is faster in its own order): benchmarks/NOTES.md, 'dK/dV product order'
     s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)                              # (BLOCK_N, BLOCK_M)
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)                            # (BLOCK_N, BLOCK_M)
     p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
@@ -150,10 +153,11 @@ def _dkdv_step(
 
 
 @triton.jit
-def _sum_sink_shares(SHARES, DSINKS, h_first, heads, hq, n_rows, GROUP_PAD: tl.constexpr,
-                     SHARE_ROWS: tl.constexpr):
-    """dsinks[h] for query heads ``h_first .. h_first + heads - 1``: the sum of their columns of SHARES,
-    (n_rows, hq) float32 (``_dq``'s per-tile shares), in a fixed order. GROUP_PAD: a power of two >= heads."""
+def _sum_sink_shares(SHARES, DSINKS, h_first, heads, hq, n_rows, GROUP: tl.constexpr):
+    """dsinks[h] for query heads ``h_first .. h_first + heads - 1`` (``heads`` <= GROUP): the sum of their
+    columns of SHARES, (n_rows, hq) float32 (``_dq``'s per-tile shares), in a fixed order."""
+    GROUP_PAD: tl.constexpr = next_power_of_2(GROUP)
+    SHARE_ROWS: tl.constexpr = max(16, 2048 // GROUP_PAD)  # a (SHARE_ROWS, GROUP_PAD) block per step
     offs_h = tl.arange(0, GROUP_PAD)                                                    # (GROUP_PAD,)
     head_ok = offs_h < heads
     total = tl.zeros([GROUP_PAD], dtype=tl.float32)
@@ -167,35 +171,31 @@ def _sum_sink_shares(SHARES, DSINKS, h_first, heads, hq, n_rows, GROUP_PAD: tl.c
 @triton.jit
 def _dkdv(
     Q, K, V, DO, LSE2, DELTA, DK, DV, WORK, SHARES, DSINKS, CuQ, CuK,
-    stride_qb, stride_qh, stride_qn,        # Q: (B, Hq, Nq, D)
-    stride_kb, stride_kh, stride_kn,        # K: (B, Hkv, Nk, D)
-    stride_vb, stride_vh, stride_vn,        # V: (B, Hkv, Nk, D)
-    stride_dob, stride_doh, stride_don,     # DO: (B, Hq, Nq, D)
-    stride_dkb, stride_dkh, stride_dkn,     # DK: (B, Hkv, Nk, D) (unused if SPLIT)
-    stride_dvb, stride_dvh, stride_dvn,     # DV: (B, Hkv, Nk, D) (unused if SPLIT)
-    stride_lb, stride_lh,                   # LSE2, DELTA: (B, Hq, Nq) float32, unit last stride
-    nq, nk, head_splits, n_items,           # WORK: (n_items, 5) int32 (dense only)
-    n_shares,                               # SHARES: (n_shares, Hq) float32, DSINKS: (Hq,) (if HAS_SINKS)
-    left, right, sink_tokens, scale, qk_scale,
-    SPLIT: tl.constexpr, HAS_SINKS: tl.constexpr, GROUP_PAD: tl.constexpr, SHARE_ROWS: tl.constexpr,
-    FLAT: tl.constexpr, VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr, PRECISION: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    TMA: tl.constexpr,
+    stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv, stride_lse,
+    nq, nk, head_splits, n_items, n_shares, left, right, sink_tokens, scale, qk_scale,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr, FLAT: tl.constexpr,
+    SPLIT: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid ``(n_items, Hkv * head_splits, B)``: dK, dV of one KV tile of one kv head, summed over
     ``GROUP // head_splits`` query heads and the Q tiles of one work item.
 
-    Dense: the items and their Q tile ranges come from WORK (see :func:`gstar.kernels.schedule.split_plan`).
-    VARLEN: axis 2 is the sequence, found through CuQ, CuK (see ``_forward_kernel``), every KV tile of the
-    longest one is an item,
-    and :func:`gstar.kernels.ranges.q_range` finds its Q tiles. Without SPLIT every KV tile is one item and
-    the whole group one split: the result goes to DK, DV in their dtype. With SPLIT (dense only) DK and DV
-    are float32 partials ``(B, Hkv, head_splits, n_items, BLOCK_N, D_PAD)`` contiguous, summed by
+    Q, DO: (B, Hq, Nq, HEAD_DIM); K, V, DK, DV: (B, Hkv, Nk, HEAD_DIM); ``stride_x``: the (batch, head, row)
+    strides of x, unit last stride. LSE2, DELTA: (B, Hq, Nq) float32 with strides (*stride_lse, 1).
+    Dense (CuQ, CuK None): the items and their Q tile ranges come from WORK, (n_items, 5) int32 (see
+    :func:`gstar.kernels.schedule.split_plan`). Packed (CuQ, CuK: (B + 1,) int32): axis 2 is the sequence,
+    found through CuQ, CuK (see ``_forward_kernel``), every KV tile of the longest one is an item, and
+    :func:`gstar.kernels.ranges.q_range` finds its Q tiles. Without SPLIT every KV tile is one item and the
+    whole group one split: the result goes to DK, DV in their dtype. With SPLIT (dense only) DK and DV are
+    float32 partials ``(B, Hkv, head_splits, n_items, BLOCK_N, D_PAD)`` contiguous, summed by
     ``_sum_partials``. TMA (dense only): Q and DO are tensor descriptors moving (1, 1, BLOCK_M, D_PAD) tiles.
-    HAS_SINKS: the program of item 0 and sequence 0 of each (kv head, head split) also sums its query
-    heads' dsinks shares, which ``_dq`` (launched before) stored, into DSINKS (one launch fewer).
+    With learned sinks (DSINKS: (Hq,) float32, SHARES: (n_shares, Hq) float32, else both None) the program
+    of item 0 and sequence 0 of each (kv head, head split) also sums its query heads' dsinks shares, which
+    ``_dq`` (launched before) stored, into DSINKS (one launch fewer).
     """
+    D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
+    HAS_SINKS: tl.constexpr = DSINKS is not None
+    VARLEN: tl.constexpr = CuQ is not None
     item = tl.program_id(0)
     pid_h = tl.program_id(1)
     seq = tl.program_id(2)
@@ -212,20 +212,20 @@ def _dkdv(
         if tile * BLOCK_N >= nk:  # tiles past a shorter packed sequence
             if HAS_SINKS:
                 if (item == 0) & (seq == 0):  # a first sequence without keys still owes its dsinks sum
-                    _sum_sink_shares(SHARES, DSINKS, h_first, heads, hq, n_shares, GROUP_PAD, SHARE_ROWS)
+                    _sum_sink_shares(SHARES, DSINKS, h_first, heads, hq, n_shares, GROUP)
             return
         m_start, m_full_start, m_full_end, m_end = q_range(tile * BLOCK_N, nq, nk, left, right, sink_tokens,
                                                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     else:
-        # a dense batch reads its ranges from the host-built table: computing them here (as packed sequences
-        # must) measured slower, e.g. dK/dV at D = 128 full attention 8.6 -> 9.6 ms on an H200
+        # a dense batch reads its ranges from the host-built table, which is faster than computing them here
+        # as packed sequences must: benchmarks/NOTES.md, 'Backward tile ranges: host tables for dense batches'
         tile, m_start, m_full_start, m_full_end, m_end = _table_row(WORK, item)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)                                     # (BLOCK_N,)
     offs_d = tl.arange(0, D_PAD)                                                        # (D_PAD,)
-    k_head = K + b * stride_kb + hkv * stride_kh + k_start * stride_kn
-    v_head = V + b * stride_vb + hkv * stride_vh + k_start * stride_vn
-    k = _load_rows(k_head, offs_n, nk, stride_kn, offs_d, True, HEAD_DIM, D_PAD)
-    v = _load_rows(v_head, offs_n, nk, stride_vn, offs_d, True, HEAD_DIM, D_PAD)
+    k_head = K + b * stride_k[0] + hkv * stride_k[1] + k_start * stride_k[2]
+    v_head = V + b * stride_v[0] + hkv * stride_v[1] + k_start * stride_v[2]
+    k = _load_rows(k_head, offs_n, nk, stride_k[2], True, HEAD_DIM)                     # (BLOCK_N, D_PAD)
+    v = _load_rows(v_head, offs_n, nk, stride_v[2], True, HEAD_DIM)
     dk = tl.zeros((BLOCK_N, D_PAD), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, D_PAD), dtype=tl.float32)
     if FLAT:  # one pipelined loop over (head, Q tile) pairs, every tile masked
@@ -233,28 +233,29 @@ def _dkdv(
         for it in range(0, heads * n_m):
             h = h_first + it // n_m
             m = m_start + it % n_m
-            q_head, do_head = _head_rows(Q, DO, b, h, q_start, stride_qb, stride_qh, stride_qn, stride_dob,
-                                         stride_doh, stride_don, TMA)
-            lse2_head = LSE2 + b * stride_lb + h * stride_lh + q_start
-            delta_head = DELTA + b * stride_lb + h * stride_lh + q_start
-            dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, seq, h.to(tl.int32),
-                                m * BLOCK_M, stride_qn, stride_don, offs_n, offs_d, nq, nk, left, right, sink_tokens,
-                                qk_scale, True, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, BLOCK_M, HEAD_DIM, D_PAD, TMA,
-                                PRECISION)
+            q_head, do_head = _head_rows(Q, DO, b, h, q_start, stride_q, stride_do, TMA)
+            lse2_head = LSE2 + b * stride_lse[0] + h * stride_lse[1] + q_start
+            delta_head = DELTA + b * stride_lse[0] + h * stride_lse[1] + q_start
+            dk, dv = _dkdv_step(
+                dk, dv, k, v, q_head, do_head, lse2_head, delta_head, seq, h.to(tl.int32), m * BLOCK_M,
+                stride_qn=stride_q[2], stride_don=stride_do[2], offs_n=offs_n, nq=nq, nk=nk, left=left, right=right,
+                sink_tokens=sink_tokens, qk_scale=qk_scale, MASKED=True, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT,
+                HAS_SINK_TOKENS=HAS_SINK_TOKENS, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, TMA=TMA, PRECISION=PRECISION)
     else:
         for g in range(split * heads, split * heads + heads):
             h = hkv * GROUP + g
-            q_head, do_head = _head_rows(Q, DO, b, h, q_start, stride_qb, stride_qh, stride_qn, stride_dob,
-                                         stride_doh, stride_don, TMA)
-            lse2_head = LSE2 + b * stride_lb + h * stride_lh + q_start
-            delta_head = DELTA + b * stride_lb + h * stride_lh + q_start
+            q_head, do_head = _head_rows(Q, DO, b, h, q_start, stride_q, stride_do, TMA)
+            lse2_head = LSE2 + b * stride_lse[0] + h * stride_lse[1] + q_start
+            delta_head = DELTA + b * stride_lse[0] + h * stride_lse[1] + q_start
             bounds = (m_start, m_full_start, m_full_end, m_end)
             for r in tl.static_range(3):  # masked edge, unmasked interior, masked edge: one loop each
                 for m in range(bounds[r], bounds[r + 1]):
-                    dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, lse2_head, delta_head, seq, h.to(tl.int32),
-                                        m * BLOCK_M, stride_qn, stride_don, offs_n, offs_d, nq, nk, left, right,
-                                        sink_tokens, qk_scale, r != 1, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
-                                        BLOCK_M, HEAD_DIM, D_PAD, TMA, PRECISION)
+                    dk, dv = _dkdv_step(
+                        dk, dv, k, v, q_head, do_head, lse2_head, delta_head, seq, h.to(tl.int32), m * BLOCK_M,
+                        stride_qn=stride_q[2], stride_don=stride_do[2], offs_n=offs_n, nq=nq, nk=nk, left=left,
+                        right=right, sink_tokens=sink_tokens, qk_scale=qk_scale, MASKED=r != 1, HAS_LEFT=HAS_LEFT,
+                        HAS_RIGHT=HAS_RIGHT, HAS_SINK_TOKENS=HAS_SINK_TOKENS, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM,
+                        TMA=TMA, PRECISION=PRECISION)
     if SPLIT:
         # pid_h = hkv * head_splits + split, so this is partial [b, hkv, split, item]
         slot = ((b * tl.num_programs(1) + pid_h) * n_items + item) * (BLOCK_N * D_PAD)
@@ -262,26 +263,27 @@ def _dkdv(
         tl.store(DK + slot + tile_offs, dk * scale)
         tl.store(DV + slot + tile_offs, dv)
     else:
-        dk_head = DK + b * stride_dkb + hkv * stride_dkh + k_start * stride_dkn
-        dv_head = DV + b * stride_dvb + hkv * stride_dvh + k_start * stride_dvn
-        _store_rows(dk_head, offs_n, nk, stride_dkn, offs_d, dk * scale, HEAD_DIM)
-        _store_rows(dv_head, offs_n, nk, stride_dvn, offs_d, dv, HEAD_DIM)
+        dk_head = DK + b * stride_dk[0] + hkv * stride_dk[1] + k_start * stride_dk[2]
+        dv_head = DV + b * stride_dv[0] + hkv * stride_dv[1] + k_start * stride_dv[2]
+        _store_rows(dk_head, offs_n, nk, stride_dk[2], dk * scale, HEAD_DIM)
+        _store_rows(dv_head, offs_n, nk, stride_dv[2], dv, HEAD_DIM)
     if HAS_SINKS:
-        if (item == 0) & (seq == 0):  # last: placed first, it measurably changed the code of the loops above
-            _sum_sink_shares(SHARES, DSINKS, h_first, heads, hq, n_shares, GROUP_PAD, SHARE_ROWS)
+        # after the tile's own work: before it, this sum changes the code ptxas generates for the loops above
+        if (item == 0) & (seq == 0):
+            _sum_sink_shares(SHARES, DSINKS, h_first, heads, hq, n_shares, GROUP)
 
 
 @triton.jit
-def _sum_partials(
-    PK, PV, DK, DV, FIRST,
-    stride_dkb, stride_dkh, stride_dkn,     # DK: (B, Hkv, Nk, D)
-    stride_dvb, stride_dvh, stride_dvn,     # DV: (B, Hkv, Nk, D)
-    Hkv, nk, head_splits, n_items,          # PK, PV: (B, Hkv, head_splits, n_items, BLOCK_N, D_PAD) float32
-    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-):
+def _sum_partials(PK, PV, DK, DV, FIRST, stride_dk, stride_dv, Hkv, nk, head_splits, n_items,
+                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Grid ``(cdiv(Nk, BLOCK_N), Hkv, B)``: dK, dV of one KV tile = the sum of its partials, head split by
-    head split and work item by work item (a fixed order: bitwise reproducible). FIRST: (n tiles + 1,) int32,
-    the tile's items are ``FIRST[t] .. FIRST[t + 1] - 1``."""
+    head split and work item by work item (a fixed order: bitwise reproducible).
+
+    PK, PV: (B, Hkv, head_splits, n_items, BLOCK_N, D_PAD) float32 contiguous; DK, DV: (B, Hkv, Nk, HEAD_DIM)
+    with (batch, head, row) strides ``stride_dk``, ``stride_dv``; FIRST: (n tiles + 1,) int32, the tile's
+    items are ``FIRST[t] .. FIRST[t + 1] - 1``."""
+    D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
+    ROWS: tl.constexpr = min(BLOCK_N, max(16, 2048 // D_PAD))  # rows summed per step
     tile = tl.program_id(0)
     hkv = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -300,26 +302,26 @@ def _sum_partials(
                 dk += tl.load(PK + slot + tile_offs)
                 dv += tl.load(PV + slot + tile_offs)
         offs_n = tile * BLOCK_N + offs_r
-        _store_rows(DK + b * stride_dkb + hkv * stride_dkh, offs_n, nk, stride_dkn, offs_d, dk, HEAD_DIM)
-        _store_rows(DV + b * stride_dvb + hkv * stride_dvh, offs_n, nk, stride_dvn, offs_d, dv, HEAD_DIM)
+        _store_rows(DK + b * stride_dk[0] + hkv * stride_dk[1], offs_n, nk, stride_dk[2], dk, HEAD_DIM)
+        _store_rows(DV + b * stride_dv[0] + hkv * stride_dv[1], offs_n, nk, stride_dv[2], dv, HEAD_DIM)
 
 
 @triton.jit
 def _dq_step(
-    dq, q, do, lse2, delta, K, V, seq, kv_head, n_start, stride_kn, stride_vn, offs_m, offs_d,
+    dq, q, do, lse2, delta, K, V, seq, kv_head, n_start, stride_kn, stride_vn, offs_m,
     nq, nk, left, right, sink_tokens, qk_scale,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TMA: tl.constexpr,
-    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Adds one KV block's contribution to dq (BLOCK_M, D_PAD) float32.
 
-    q, do: (BLOCK_M, D_PAD); lse2, delta: (BLOCK_M,); K, V point at key 0 of the kv head, or with TMA are
-    descriptors over (B, Hkv, Nk, HEAD_DIM) read at batch ``seq``, head ``kv_head`` (int32).
+    q, do: (BLOCK_M, D_PAD) of query positions ``offs_m`` (BLOCK_M,); lse2, delta: (BLOCK_M,); K, V point
+    at key 0 of the kv head, or with TMA are descriptors over (B, Hkv, Nk, HEAD_DIM) read at batch ``seq``,
+    head ``kv_head`` (int32).
     """
     offs_n = n_start + tl.arange(0, BLOCK_N)                                            # (BLOCK_N,)
-    k, v = _load_pair(K, V, seq, kv_head, n_start, nk, stride_kn, stride_vn, offs_d, BLOCK_N, MASKED, HEAD_DIM,
-                      D_PAD, TMA)                                                       # (BLOCK_N, D_PAD)
+    k, v = _load_pair(K, V, seq, kv_head, n_start, nk, stride_kn, stride_vn, ROWS=BLOCK_N, CHECK_ROWS=MASKED,
+                      HEAD_DIM=HEAD_DIM, TMA=TMA)                                       # (BLOCK_N, D_PAD)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)                                # (BLOCK_M, BLOCK_N)
     p = tl.math.exp2(s * qk_scale - lse2[:, None])
     if MASKED:
@@ -335,33 +337,31 @@ def _dq_step(
 @triton.jit
 def _dq(
     Q, K, V, O, DO, DLSE, LSE, Sinks, LSE2, DELTA, DQ, DSINKS, KVTABLE, CuQ, CuK,
-    stride_qb, stride_qh, stride_qn,        # Q: (B, Hq, Nq, D)
-    stride_kb, stride_kh, stride_kn,        # K: (B, Hkv, Nk, D)
-    stride_vb, stride_vh, stride_vn,        # V: (B, Hkv, Nk, D)
-    stride_ob, stride_oh, stride_on,        # O: (B, Hq, Nq, D)
-    stride_dob, stride_doh, stride_don,     # DO: (B, Hq, Nq, D)
-    stride_dqb, stride_dqh, stride_dqn,     # DQ: (B, Hq, Nq, D)
-    stride_dlb, stride_dlh, stride_dln,     # DLSE: (B, Hq, Nq), any float dtype (read if HAS_DLSE)
-    stride_lb, stride_lh, nq, nk,           # LSE, LSE2, DELTA: (B, Hq, Nq) float32, unit last stride
-    left, right, sink_tokens, scale, qk_scale,  # KVTABLE: (cdiv(Nq, BLOCK_M), 5) int32 (dense only)
-    HAS_DLSE: tl.constexpr, HAS_SINKS: tl.constexpr, FLAT: tl.constexpr, VARLEN: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr, PRECISION: tl.constexpr,
+    stride_q, stride_k, stride_v, stride_o, stride_do, stride_dq, stride_dlse, stride_lse,
+    nq, nk, left, right, sink_tokens, scale, qk_scale,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr, TMA: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr, FLAT: tl.constexpr,
+    TMA: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid ``(n_tiles, Hq // PACK, B)``: dQ of one Q tile of PACK query heads, over the KV blocks that
-    :func:`gstar.pattern.kv_block_table` lists (dense) or :func:`gstar.kernels.ranges.kv_range` finds
-    (VARLEN: axis 2 is the sequence, see ``_forward_kernel``). PACK (a power of two dividing GROUP) stacks
-    query heads of one GQA group in the tile as in the forward: BLOCK_M // PACK positions of each, so every
-    K/V block is loaded once for all of them and a narrow window's tile spans fewer keys; n_tiles =
-    cdiv(Nq, BLOCK_M // PACK).
+    :func:`gstar.pattern.kv_block_table` lists in KVTABLE, (n_tiles, 5) int32 (dense: CuQ, CuK None), or
+    :func:`gstar.kernels.ranges.kv_range` finds (packed: axis 2 is the sequence, see ``_forward_kernel``).
+    PACK (a power of two dividing GROUP) stacks query heads of one GQA group in the tile as in the forward:
+    BLOCK_M // PACK positions of each, so every K/V block is loaded once for all of them and a narrow
+    window's tile spans fewer keys; n_tiles = cdiv(Nq, BLOCK_M // PACK).
 
-    The program first derives its rows' statistics, ``delta = rowsum(dO * O) - dLSE`` and the base-2 LSE,
-    and stores them to DELTA and LSE2 for ``_dkdv`` (launched after it). With HAS_SINKS it also stores this
-    tile's share of dsinks[h] for each of its heads, ``-sum_rows exp(sinks[h] - lse) * delta``, to DSINKS:
-    (B, n_tiles, Hq) float32.
+    Q, O, DO, DQ: (B, Hq, Nq, HEAD_DIM); K, V: (B, Hkv, Nk, HEAD_DIM); ``stride_x``: the (batch, head, row)
+    strides of x, unit last stride. LSE, LSE2, DELTA: (B, Hq, Nq) float32 with strides (*stride_lse, 1);
+    DLSE: None or (B, Hq, Nq) of any float dtype and strides ``stride_dlse``. The program first derives its
+    rows' statistics, ``delta = rowsum(dO * O) - dLSE`` and the base-2 LSE, and stores them to DELTA and LSE2
+    for ``_dkdv`` (launched after it). With learned sinks (Sinks: (Hq,) float32, else None) it also stores
+    this tile's share of dsinks[h] for each of its heads, ``-sum_rows exp(sinks[h] - lse) * delta``, to
+    DSINKS: (B, n_tiles, Hq) float32.
     TMA (dense only): K and V are tensor descriptors moving (1, 1, BLOCK_N, D_PAD) tiles.
     """
+    D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
+    HAS_SINKS: tl.constexpr = Sinks is not None
+    VARLEN: tl.constexpr = CuQ is not None
     pid_m = tl.program_id(0)
     h0 = tl.program_id(1).to(tl.int64) * PACK  # first query head of the tile
     seq = tl.program_id(2)
@@ -382,17 +382,17 @@ def _dq(
     heads, pos, rows, tokens = tile_rows(tl.arange(0, BLOCK_M), h0, pid_m * ROWS, q_start, nq, ROWS)
     offs_d = tl.arange(0, D_PAD)                                                        # (D_PAD,)
     tile_ok = rows[:, None] & (offs_d[None, :] < HEAD_DIM)                              # (BLOCK_M, D_PAD)
-    q_rows = b * stride_qb + heads * stride_qh + tokens * stride_qn                     # (BLOCK_M,)
-    do_rows = b * stride_dob + heads * stride_doh + tokens * stride_don
-    o_rows = b * stride_ob + heads * stride_oh + tokens * stride_on
+    q_rows = b * stride_q[0] + heads * stride_q[1] + tokens * stride_q[2]               # (BLOCK_M,)
+    do_rows = b * stride_do[0] + heads * stride_do[1] + tokens * stride_do[2]
+    o_rows = b * stride_o[0] + heads * stride_o[1] + tokens * stride_o[2]
     q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=tile_ok, other=0.0)         # (BLOCK_M, D_PAD)
     do = tl.load(DO + do_rows[:, None] + offs_d[None, :], mask=tile_ok, other=0.0)
     o = tl.load(O + o_rows[:, None] + offs_d[None, :], mask=tile_ok, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)                        # (BLOCK_M,)
-    if HAS_DLSE:
-        dlse_rows = b * stride_dlb + heads * stride_dlh + tokens * stride_dln
+    if DLSE is not None:
+        dlse_rows = b * stride_dlse[0] + heads * stride_dlse[1] + tokens * stride_dlse[2]
         delta -= tl.load(DLSE + dlse_rows, mask=rows, other=0.0).to(tl.float32)
-    row_ptr = b * stride_lb + heads * stride_lh + tokens                                # (BLOCK_M,)
+    row_ptr = b * stride_lse[0] + heads * stride_lse[1] + tokens                        # (BLOCK_M,)
     # an empty row (lse = -inf, no sinks) sees no key, so it only meets masked tiles: there exp2(s - lse2)
     # is +inf (never NaN, s is finite) and the mask replaces it by 0; rows past the end get +inf, so 0
     lse2 = tl.load(LSE + row_ptr, mask=rows, other=float("inf")) * _LOG2E               # (BLOCK_M,)
@@ -402,29 +402,33 @@ def _dq(
         # with sinks every lse is finite (>= sinks[h]); rows past the end have delta = 0 and lse2 = inf
         p_sink = tl.math.exp2(tl.load(Sinks + heads) * _LOG2E - lse2)                   # (BLOCK_M,)
         tl.store(dsink_slots, -tl.sum(tl.reshape(p_sink * delta, (PACK, ROWS)), axis=1))
-    k_head, v_head = _head_rows(K, V, b, hkv, k_start, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
-                                stride_vn, TMA)
+    k_head, v_head = _head_rows(K, V, b, hkv, k_start, stride_k, stride_v, TMA)
     kv_head = hkv.to(tl.int32)
     if VARLEN:
         sink_end, band_start, full_start, full_end, band_end = kv_range(
             pid_m * ROWS, nq, nk, left, right, sink_tokens, ROWS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    else:  # the host table, as in _dkdv (computing the ranges here measured slower for dense batches)
+    else:  # the host table, as in _dkdv
         sink_end, band_start, full_start, full_end, band_end = _table_row(KVTABLE, pid_m)
     dq = tl.zeros((BLOCK_M, D_PAD), dtype=tl.float32)
     if FLAT:  # one pipelined loop over the sink blocks then the band, every block masked
         for i in range(0, sink_end + band_end - band_start):
             n = tl.where(i < sink_end, i, band_start + i - sink_end)
-            dq = _dq_step(dq, q, do, lse2, delta, k_head, v_head, seq, kv_head, n * BLOCK_N, stride_kn, stride_vn,
-                          pos, offs_d, nq, nk, left, right, sink_tokens, qk_scale, True, HAS_LEFT, HAS_RIGHT,
-                          HAS_SINK_TOKENS, BLOCK_N, HEAD_DIM, D_PAD, TMA, PRECISION)
+            dq = _dq_step(
+                dq, q, do, lse2, delta, k_head, v_head, seq, kv_head, n * BLOCK_N, stride_kn=stride_k[2],
+                stride_vn=stride_v[2], offs_m=pos, nq=nq, nk=nk, left=left, right=right, sink_tokens=sink_tokens,
+                qk_scale=qk_scale, MASKED=True, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT,
+                HAS_SINK_TOKENS=HAS_SINK_TOKENS, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, TMA=TMA, PRECISION=PRECISION)
     else:
         # sink blocks, then the band's masked edge, unmasked interior and masked edge: one loop each
         starts = (0, band_start, full_start, full_end)
         ends = (sink_end, full_start, full_end, band_end)
         for r in tl.static_range(4):
             for n in range(starts[r], ends[r]):
-                dq = _dq_step(dq, q, do, lse2, delta, k_head, v_head, seq, kv_head, n * BLOCK_N, stride_kn,
-                              stride_vn, pos, offs_d, nq, nk, left, right, sink_tokens, qk_scale, r != 2,
-                              HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, BLOCK_N, HEAD_DIM, D_PAD, TMA, PRECISION)
-    dq_rows = b * stride_dqb + heads * stride_dqh + tokens * stride_dqn                 # (BLOCK_M,)
+                dq = _dq_step(
+                    dq, q, do, lse2, delta, k_head, v_head, seq, kv_head, n * BLOCK_N, stride_kn=stride_k[2],
+                    stride_vn=stride_v[2], offs_m=pos, nq=nq, nk=nk, left=left, right=right,
+                    sink_tokens=sink_tokens, qk_scale=qk_scale, MASKED=r != 2, HAS_LEFT=HAS_LEFT,
+                    HAS_RIGHT=HAS_RIGHT, HAS_SINK_TOKENS=HAS_SINK_TOKENS, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
+                    TMA=TMA, PRECISION=PRECISION)
+    dq_rows = b * stride_dq[0] + heads * stride_dq[1] + tokens * stride_dq[2]           # (BLOCK_M,)
     tl.store(DQ + dq_rows[:, None] + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=tile_ok)

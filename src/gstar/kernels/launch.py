@@ -1,7 +1,7 @@
 """Kernel launches with less host time: Triton's own launch once per argument signature, then the
 compiled kernel directly.
 
-``kernel[grid](*args)`` costs about 30 us of Python on an H100 / H200 host for our ~50-argument kernels,
+``kernel[grid](*args)`` costs about 30 us of Python on an H100 / H200 host for our ~40-argument kernels,
 most of it Triton re-deriving, argument by argument, which compiled specialisation applies (dtype and
 16-byte alignment of each pointer; whether each int is 1 or a multiple of 16, and its width) and looking
 it up; the launch itself takes about 10 us (``scripts/profile-host``). At small shapes (the stage rows, a
@@ -13,7 +13,8 @@ options (a tuple made once per shape by :func:`constexprs`). It keeps two maps p
 *refinement* of Triton's specialisation: the dtype and 16-byte alignment of every tensor, every
 constexpr and launch option, and the scalars either exactly (the first map: the cheapest key, a tuple
 hashed as it comes) or by class (the second: each int equal to 1, a multiple of 16 or neither, and
-32-bit, 64-bit or wider; each float by its type). Calls with equal keys have equal Triton
+32-bit, 64-bit or wider; each float by its type; a tuple of strides element by element). Calls with equal
+keys have equal Triton
 specialisations and run the same compiled kernel, which the first such call obtained through Triton's
 normal path; the scalars themselves are passed at every launch. A repeated shape hits the first map; a
 shape that changes every call (a decode loop's growing Nk and the strides of its growing K/V cache)
@@ -56,8 +57,9 @@ def _tensor_key(tensors: tuple) -> tuple | None:
 
 def _classes(scalars: tuple) -> tuple | None:
     """``scalars`` as far as Triton's specialisation tells them apart: each int as 1 (Triton makes it a
-    constant), a multiple of 16 (an alignment hint) or neither, plus its width; floats and bools by type.
-    None if one is of another kind (those take Triton's own path)."""
+    constant), a multiple of 16 (an alignment hint) or neither, plus its width; floats and bools by type;
+    a tuple (a tensor's strides) element by element. None if one is of another kind (those take Triton's
+    own path)."""
     key = []
     for a in scalars:
         kind = type(a)
@@ -66,6 +68,11 @@ def _classes(scalars: tuple) -> tuple | None:
                        + (0 if -_I32 <= a < _I32 else 100 if -_I64 <= a < _I64 else 200))
         elif kind is float or kind is bool:
             key.append(kind)
+        elif kind is tuple:
+            inner = _classes(a)
+            if inner is None:
+                return None
+            key.append(inner)
         else:
             return None
     return tuple(key)
