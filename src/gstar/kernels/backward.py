@@ -51,6 +51,13 @@ _LOG2E = tl.constexpr(math.log2(math.e))
 assert (KV_SINK_END, KV_BAND_START, KV_FULL_START, KV_FULL_END, KV_BAND_END) == tuple(range(5))
 
 
+@triton.constexpr_function
+def _block_rows(width: int, limit: int = 1 << 30) -> int:
+    """Rows per step of a float32 block ``width`` columns wide that a reduction adds up: about 2048
+    elements, at least 16 rows (and at most ``limit``)."""
+    return min(limit, max(16, 2048 // width))
+
+
 @triton.jit
 def _load_rows(ptr, idx, n, stride, CHECK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Rows ``idx`` (R,) of an (n, HEAD_DIM) matrix with row stride ``stride`` as an (R, D_PAD) tile, zeros
@@ -157,7 +164,7 @@ def _sum_sink_shares(SHARES, DSINKS, h_first, heads, hq, n_rows, GROUP: tl.const
     """dsinks[h] for query heads ``h_first .. h_first + heads - 1`` (``heads`` <= GROUP): the sum of their
     columns of SHARES, (n_rows, hq) float32 (``_dq``'s per-tile shares), in a fixed order."""
     GROUP_PAD: tl.constexpr = next_power_of_2(GROUP)
-    SHARE_ROWS: tl.constexpr = max(16, 2048 // GROUP_PAD)  # a (SHARE_ROWS, GROUP_PAD) block per step
+    SHARE_ROWS: tl.constexpr = _block_rows(GROUP_PAD)
     offs_h = tl.arange(0, GROUP_PAD)                                                    # (GROUP_PAD,)
     head_ok = offs_h < heads
     total = tl.zeros([GROUP_PAD], dtype=tl.float32)
@@ -283,7 +290,7 @@ def _sum_partials(PK, PV, DK, DV, FIRST, stride_dk, stride_dv, Hkv, nk, head_spl
     with (batch, head, row) strides ``stride_dk``, ``stride_dv``; FIRST: (n tiles + 1,) int32, the tile's
     items are ``FIRST[t] .. FIRST[t + 1] - 1``."""
     D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
-    ROWS: tl.constexpr = min(BLOCK_N, max(16, 2048 // D_PAD))  # rows summed per step
+    ROWS: tl.constexpr = _block_rows(D_PAD, BLOCK_N)
     tile = tl.program_id(0)
     hkv = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
