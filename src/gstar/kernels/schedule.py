@@ -26,7 +26,9 @@ _MAX_PARTIAL_RATIO = 8
 
 @functools.lru_cache(maxsize=16)
 def _sm_count(device: str) -> int:
-    return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+    """The SM count of a CUDA device, asked once per device; 0 for any other device (never split there)."""
+    d = torch.device(device)
+    return torch.cuda.get_device_properties(d).multi_processor_count if d.type == "cuda" else 0
 
 
 def _auto_split(counts: list[int], group: int, programs: int, sms: int) -> tuple[int, int]:
@@ -49,9 +51,9 @@ def _auto_split(counts: list[int], group: int, programs: int, sms: int) -> tuple
             q_splits = min(_MAX_Q_SPLITS, cdiv(heads * longest, target))
         chunk = cdiv(longest, q_splits)
         if heads == group and q_splits == 1:
-            # causal: the longest tiles run twice the mean, and halving their programs shortens the tail
-            # (H200: gpt-oss causal backward 2.39 -> 2.28 ms, 8k 4.40 -> 4.25); a 128-key window is even
-            # and prefers whole-group programs (0.334 vs 0.374 ms split)
+            # causal: the longest tiles run twice the mean, and halving their programs shortens the tail; a
+            # 128-key window is even and prefers whole-group programs (benchmarks/NOTES.md, 'dK/dV stages and
+            # the half-group split')
             if group % 2 == 0 and 2 * longest > 3 * sum(busy) / len(busy):
                 return 2, longest
             return 1, longest
@@ -96,7 +98,7 @@ def split_plan(pattern: Pattern, block_m: int, block_n: int, group: int, program
     ``(n tiles + 1,)``, tile ``t``'s items are ``first[t] .. first[t + 1] - 1``. Zero arguments are chosen
     from the device's SM count (never split on CPU); one item per tile and one split means no partials.
     """
-    sms = _sm_count(str(device)) if torch.device(device).type == "cuda" else 0
-    return _plan(pattern, block_m, block_n, group, programs, sms, head_splits, q_chunk, str(device))
+    return _plan(pattern, block_m, block_n, group, programs, _sm_count(str(device)), head_splits, q_chunk,
+                 str(device))
 
 
