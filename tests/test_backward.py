@@ -19,8 +19,9 @@ import gstar
 from inputs import make_qkv
 from gstar.accuracy import relative_error, verdict
 from gstar.kernels import configs
-from gstar.kernels.backward import (W_END, W_FULL_END, W_FULL_START, W_START, W_TILE, BackwardConfig, _auto_split,
-                                    attention_backward, backward_config, split_plan)
+from gstar.kernels import attention_backward
+from gstar.kernels.configs import BackwardConfig, backward_config
+from gstar.kernels.schedule import W_END, W_FULL_END, W_FULL_START, W_START, W_TILE, _auto_split, split_plan
 from gstar.pattern import Pattern, q_block_table
 from gstar.reference import naive_attention
 

@@ -7,13 +7,14 @@ over the shapes of docs/design.md section 4, with the float32 naive implementati
 
 import pytest
 import torch
+import triton
 
 import gstar
 from inputs import make_qkv
 from gstar.accuracy import relative_error, verdict
-from gstar.kernels import configs
+from gstar.kernels import attention, attention_forward, configs
 from gstar.kernels.configs import forward_config
-from gstar.kernels.forward import attention_forward
+from gstar.kernels.forward import tiles_fastest
 from gstar.pattern import Pattern
 from gstar.reference import naive_attention
 
@@ -172,8 +173,7 @@ def test_public_entry_point(device):
 
 def test_interpreter_config_is_small():
     cfg = forward_config(64, torch.float32, Pattern.make(100, 100), "cpu", group=4)
-    assert set(cfg) == {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "FOLD_SCALE", "PACK_GQA",
-                        "TILES_FASTEST", "FLAT", "HALVES"}
+    assert set(cfg) == {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "PACK_GQA", "FLAT", "HALVES"}
     assert cfg["BLOCK_M"] <= 32 and cfg["BLOCK_N"] <= 32
 
 
@@ -202,17 +202,27 @@ def test_cuda_config_narrow_window(D, group, tile, monkeypatch):
 
 
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
-@pytest.mark.parametrize("causal,window,tiles_fastest", [
+@pytest.mark.parametrize("causal,window,tiles_fastest_rule", [
     (False, (-1, -1), True), (True, (-1, -1), False), (False, (127, 0), False), (False, (-1, 3), False),
     (False, (5, -1), False),
 ])
-def test_config_tiles_fastest_without_mask_bounds(device_type, causal, window, tiles_fastest, monkeypatch):
+def test_grid_walks_tiles_fastest_without_mask_bounds(device_type, causal, window, tiles_fastest_rule,
+                                                       monkeypatch):
     """Full attention walks one head's Q tiles side by side (they share its K/V in L2); any bound keeps heads
-    fastest, with the longest causal tiles first. The interpreter takes the same grid order as the GPU."""
+    fastest, with the longest causal tiles first. The host's grid follows the rule the kernel reads it by, on
+    the interpreter as on the GPU."""
     monkeypatch.setattr(configs, "_major", lambda device: 9)
-    pattern = Pattern.make(4096, 4096, causal=causal, window=window)
+    B, Hq, Hkv, N = 2, 16, 2, 4096
+    pattern = Pattern.make(N, N, causal=causal, window=window)
+    assert tiles_fastest(pattern.left >= 0, pattern.right >= 0) == tiles_fastest_rule
     for D in (16, 64, 128):
-        assert forward_config(D, torch.bfloat16, pattern, device_type, group=8)["TILES_FASTEST"] == tiles_fastest
+        shape, stride = (B, Hq, N, D), (Hq * N * D, N * D, D, 1)
+        plan = attention._forward_plan(shape, stride, (B, Hkv, N, D), stride, stride, torch.bfloat16,
+                                       torch.device(device_type), pattern, 0.1, None, None, "tf32")
+        options = dict(plan.options)
+        tiles = triton.cdiv(N, options["BLOCK_M"] // options["PACK"])
+        heads = Hq // options["PACK"]
+        assert plan.grid == ((tiles, heads, B) if tiles_fastest_rule else (heads, tiles, B))
 
 
 @pytest.mark.parametrize("nq", [1, 3, 33, 4096])
@@ -228,20 +238,20 @@ def test_cuda_config_packs_whole_heads(nq, group, D, window, monkeypatch):
         assert pack == min(group & -group, 8)
 
 
-# every combination of the kernel switches (HALVES with each other switch both ways); scale < 0 takes the
-# unfolded softmax whatever FOLD_SCALE asks
-SWITCHES = [dict(FOLD_SCALE=f, PACK_GQA=p, TILES_FASTEST=p == 4, FLAT=flat, HALVES=f != flat)
-            for flat in (False, True) for f in (False, True) for p in (1, 4)]
+# the kernel switches, each pair of them in all four combinations (a pairwise cover of the three)
+SWITCHES = [dict(PACK_GQA=pack, FLAT=flat, HALVES=halves)
+            for pack, flat, halves in ((1, False, False), (1, True, True), (4, False, True), (4, True, False))]
 
 
 def _switch_id(c):
-    return f"fold{int(c['FOLD_SCALE'])}-pack{c['PACK_GQA']}-flat{int(c['FLAT'])}-halves{int(c['HALVES'])}"
+    return f"pack{c['PACK_GQA']}-flat{int(c['FLAT'])}-halves{int(c['HALVES'])}"
 
 
 @pytest.mark.parametrize("switches", SWITCHES, ids=_switch_id)
 @pytest.mark.parametrize("layout,causal,window,sink_tokens,with_sinks,scale", [
-    ("bhnd", True, (-1, -1), 0, True, None),
-    ("packed", False, (9, 2), 3, False, -0.4),
+    ("bhnd", True, (-1, -1), 0, True, 0.0),       # a zero scale: uniform weights over the visible keys
+    ("packed", False, (9, 2), 3, False, -0.4),    # a negative scale
+    ("bnhd", False, (-1, -1), 0, True, None),     # no mask bound: Q tiles fastest in the grid
 ])
 def test_fp32_switches(switches, layout, causal, window, sink_tokens, with_sinks, scale, device):
     """PACK_GQA 4 stacks 4 heads of 4 positions each into a 16-row tile, so tiles span heads and rows (and
@@ -362,25 +372,21 @@ def test_gpu_fp32(tf32, monkeypatch):
     assert v_.ok, str(v_)
 
 
-# each switch on and off at least once, in four compiles per shape
-SWITCHES_GPU = [SWITCHES[0], SWITCHES[3], SWITCHES[4], SWITCHES[7]]
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("switches", SWITCHES_GPU, ids=_switch_id)
-@pytest.mark.parametrize("D,layout,causal,window,sink_tokens", [
-    (64, "bhnd", True, (-1, -1), 0),
-    (80, "packed", True, (127, 0), 4),   # padded head dim
-    (128, "bnhd", False, (-1, -1), 0),
+@pytest.mark.parametrize("switches", SWITCHES, ids=_switch_id)
+@pytest.mark.parametrize("D,layout,causal,window,sink_tokens,scale", [
+    (64, "bhnd", True, (-1, -1), 0, None),
+    (80, "packed", True, (127, 0), 4, -0.1),   # padded head dim, a negative scale
+    (128, "bnhd", False, (-1, -1), 0, None),   # no mask bound: Q tiles fastest in the grid
 ])
-def test_gpu_switches(switches, D, layout, causal, window, sink_tokens):
-    """Every switch combination on the GPU's own tiles."""
+def test_gpu_switches(switches, D, layout, causal, window, sink_tokens, scale):
+    """The switch combinations on the GPU's own tiles."""
     q, k, v = make_qkv(2, 8, 2, 1023, 1024, D, torch.bfloat16, "cuda", layout=layout)
     sinks = torch.randn(8, device="cuda")
     config = dict(forward_config(D, q.dtype, Pattern.make(1023, 1024, causal=causal, window=window), "cuda",
                                  group=4), **switches)
-    _check_bar(q, k, v, sinks=sinks, causal=causal, window=window, sink_tokens=sink_tokens, config=config,
-               oracle_dtype=torch.float32)
+    _check_bar(q, k, v, sinks=sinks, causal=causal, window=window, sink_tokens=sink_tokens, scale=scale,
+               config=config, oracle_dtype=torch.float32)
 
 
 @pytest.mark.gpu

@@ -21,14 +21,15 @@ def _run(*args):
                           timeout=300)
 
 
-# dK/dV of the causal layer spills on the pointer path this script compiles (the GPU takes descriptor loads
-# there, which spill less: benchmarks/NOTES.md, fifth session), so it is not held to zero here
-@pytest.mark.parametrize("case,kernels", [
-    ("D64 causal", ["_forward_kernel", "_dq"]),               # the GPT-OSS full-attention layer
-    ("D64 window", ["_forward_kernel", "_dq", "_dkdv"]),      # its 128-key window layer
+# dK/dV of the causal layer spills a little even with descriptor loads (benchmarks/NOTES.md, 'Backward tensor
+# descriptors'), so it is not held to zero here
+@pytest.mark.parametrize("case,flags,kernels", [
+    ("D64 causal", [], ["_forward_kernel", "_dq"]),                       # the GPT-OSS full-attention layer
+    ("D64 window", [], ["_forward_kernel", "_dq", "_dkdv"]),              # its 128-key window layer
+    ("D64 window", ["--varlen"], ["_forward_kernel", "_dq", "_dkdv"]),    # the same as packed sequences
 ])
-def test_gpt_oss_kernels_compile_without_spills(case, kernels):
-    result = _run("--case", case, "--backward")
+def test_gpt_oss_kernels_compile_without_spills(case, flags, kernels):
+    result = _run("--case", case, "--backward", *flags)
     assert result.returncode == 0, result.stderr[-2000:]
     for name in kernels:
         line = next(l for l in result.stdout.splitlines() if l.startswith(name + ":"))

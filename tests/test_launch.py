@@ -1,5 +1,6 @@
 """The launch cache (gstar.kernels.launch): equal keys only where Triton's specialisation is equal."""
 
+import inspect
 from types import SimpleNamespace
 
 import pytest
@@ -34,6 +35,7 @@ class _Recorder:
     def __init__(self, monkeypatch):
         self.calls = []
         self.fn = JITFunction(_never_compiled)  # a real JITFunction even under the interpreter
+        monkeypatch.setattr(launching, "_replay", None)  # a process that has not launched yet
         monkeypatch.setattr(self.fn, "run", self.triton)
         monkeypatch.setattr(launching, "driver", SimpleNamespace(active=SimpleNamespace(
             get_current_device=lambda: 0, get_current_stream=lambda device: "stream")))
@@ -69,6 +71,37 @@ def test_cache_hits_launch_the_compiled_kernel_with_every_argument(monkeypatch):
     assert rec.launch(aligned, 5, 16, 2.0, BLOCK=32, NEGATE=True) == "direct"
     assert rec.calls[-1][1][-2:] == (32, True)
     assert rec.launch(shifted, 5, 16, 2.0, BLOCK=32) == "direct"
+
+
+def test_this_triton_launches_the_way_the_cache_replays(monkeypatch):
+    """The installed Triton's own launch makes the call the cache replays, so the direct launch is on here."""
+    rec = _Recorder(monkeypatch)
+    assert launching._TRITON_CALL in " ".join(inspect.getsource(JITFunction.run).split())
+    assert launching._replay_supported(rec.fn, rec)
+
+
+@pytest.mark.parametrize("change", ["call", "kernel attribute", "function attribute"])
+def test_launches_fall_back_to_triton_where_its_internals_differ(change, monkeypatch):
+    """Where Triton launches compiled kernels differently (another call in JITFunction.run), or a compiled
+    kernel or a JITFunction lacks what the replay reads, every launch takes Triton's public path. The check
+    runs once, at the first launch; after it no launch spends time on cache keys."""
+    rec = _Recorder(monkeypatch)
+    if change == "call":
+        monkeypatch.setattr(launching, "_TRITON_CALL", "kernel.run(grid_0, grid_1, grid_2, stream, kernel.handle)")
+    elif change == "kernel attribute":
+        monkeypatch.delattr(_Recorder, "packed_metadata")
+    else:
+        monkeypatch.delattr(rec.fn, "arg_names")
+    checks, keys = [], []
+    supported, tensor_key = launching._replay_supported, launching._tensor_key
+    monkeypatch.setattr(launching, "_replay_supported", lambda *a: checks.append(a) or supported(*a))
+    monkeypatch.setattr(launching, "_tensor_key", lambda *a: keys.append(a) or tensor_key(*a))
+    x = torch.zeros(64)
+    assert rec.launch(x, 5, 16, 1.0, BLOCK=32) == "triton"
+    assert len(checks) == 1 and launching._replay is False and len(keys) == 1
+    assert [rec.launch(x, 5, 16, 1.0, BLOCK=32) for _ in range(2)] == ["triton"] * 2
+    assert [rec.launch(x, 7, 16, 1.0, BLOCK=64) for _ in range(2)] == ["triton"] * 2
+    assert len(checks) == 1 and len(keys) == 1
 
 
 def test_a_launch_hook_turns_the_cache_off(monkeypatch):
@@ -116,6 +149,10 @@ def test_keys_separate_what_triton_specialises_on():
     assert classes((0.5,)) == classes((2.0,)) != classes((2,))        # floats by type only, not ints
     assert classes((True,)) != classes((1,))                         # a bool is not the int 1
     assert classes(("text",)) is None                                # anything else: Triton's own path
+    assert classes(((1, 16, 17),)) == classes(((1, 32, 5),))         # a tuple of strides, element by element
+    assert classes(((1, 16, 17),)) != classes(((2, 16, 17),)) != classes(((1, 17, 17),))
+    assert classes(((16, 1),)) != classes((16, 1))                   # one tuple argument is not two ints
+    assert classes(((1, "text"),)) is None
 
 
 def _run_and_check(device, x, n, stride, factor, negate=False):

@@ -1,5 +1,6 @@
-"""Per-layout launch plans (``_launch_plan`` of the forward and the backward): a plan is derived once per
-layout and reused, and layouts that differ in anything the launch depends on never share one.
+"""Per-layout launch plans (``_forward_plan`` and ``_backward_plan`` of gstar.kernels.attention): a plan is
+derived once per layout and reused, and layouts that differ in anything the launch depends on never share
+one.
 
 One shape runs through a sequence of calls that each change one thing (strides, scale, learned sinks, an
 LSE gradient, the window, the dtype): every float32 call's outputs and gradients must match the float64
@@ -11,7 +12,7 @@ import torch
 
 import gstar
 from gstar.accuracy import relative_error
-from gstar.kernels import backward, forward
+from gstar.kernels import attention
 from gstar.reference import naive_attention
 from inputs import make_qkv
 
@@ -61,10 +62,10 @@ def test_calls_that_differ_in_one_thing_each_match_the_oracle(device):
 
 def test_a_repeated_layout_reuses_its_plans(device):
     _run(device, sinks=True)
-    hits = forward._launch_plan.cache_info().hits, backward._launch_plan.cache_info().hits
+    hits = attention._forward_plan.cache_info().hits, attention._backward_plan.cache_info().hits
     _run(device, sinks=True)
-    assert forward._launch_plan.cache_info().hits == hits[0] + 1
-    assert backward._launch_plan.cache_info().hits == hits[1] + 1
+    assert attention._forward_plan.cache_info().hits == hits[0] + 1
+    assert attention._backward_plan.cache_info().hits == hits[1] + 1
 
 
 def test_cached_plans_give_what_fresh_ones_give(device):
@@ -75,8 +76,8 @@ def test_cached_plans_give_what_fresh_ones_give(device):
         _run(device, **change)
     cached = [_run(device, **change)[0] for change in changes]
     for change, got in zip(changes, cached):
-        forward._launch_plan.cache_clear()
-        backward._launch_plan.cache_clear()
+        attention._forward_plan.cache_clear()
+        attention._backward_plan.cache_clear()
         fresh, _ = _run(device, **change)
         for a, b in zip(got, fresh):
             assert torch.equal(a, b), change

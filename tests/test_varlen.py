@@ -150,29 +150,32 @@ def test_triton_equals_per_sequence(lengths, pattern, sinks, device):
         assert torch.equal(torch.isneginf(x), torch.isneginf(r)), name  # empty rows stay -inf, nothing else
 
 
-KERNEL_SWITCHES = {
-    "pack_gqa": (dict(PACK_GQA=2), BackwardConfig(16, 32, 32, 16, dkdv_warps=1, dq_warps=1, dq_pack=2)),
-    "flat": (dict(FLAT=True), BackwardConfig(32, 16, 16, 32, dkdv_warps=1, dq_warps=1, flat=True)),
-    "tiles_fastest": (dict(TILES_FASTEST=True, FOLD_SCALE=False), BackwardConfig(16, 16, 16, 16)),
+KERNEL_SWITCHES = {  # forward switches, backward config, (window, sink tokens, scale)
+    "pack_gqa": (dict(PACK_GQA=2), BackwardConfig(16, 32, 32, 16, dkdv_warps=1, dq_warps=1, dq_pack=2),
+                 ((6, 2), 3, 0.3)),
+    "flat": (dict(FLAT=True), BackwardConfig(32, 16, 16, 32, dkdv_warps=1, dq_warps=1, flat=True), ((6, 2), 3, 0.3)),
+    # no mask bound: the forward walks Q tiles fastest; a negative scale
+    "tiles_fastest": (dict(), BackwardConfig(16, 16, 16, 16), ((-1, -1), 0, -0.3)),
 }
 
 
 @pytest.mark.parametrize("switches", KERNEL_SWITCHES, ids=list(KERNEL_SWITCHES))
 def test_packed_kernel_switches_equal_torch_path(switches, device):
-    """The packed kernels with each forward switch and backward loop form, against the packed torch path."""
-    forward_switches, backward_config = KERNEL_SWITCHES[switches]
+    """The packed kernels with each forward switch, grid order and backward loop form, against the packed
+    torch path."""
+    forward_switches, backward_config, (window, sink_tokens, scale) = KERNEL_SWITCHES[switches]
     p = _packed([5, 0, 37, 1, 20], [9, 3, 37, 0, 20], Hq=4, Hkv=2, D=24, sinks=True, device=device)
-    pattern = Pattern.make(p["max_q"], p["max_k"], window=(6, 2), sink_tokens=3)
+    pattern = Pattern.make(p["max_q"], p["max_k"], window=window, sink_tokens=sink_tokens)
     cu = (p["cu_q"], p["cu_k"])
     q, k, v, dout = (x.transpose(0, 1).unsqueeze(0) for x in (p["q"], p["k"], p["v"], p["dout"]))
     config = dict(BLOCK_M=32, BLOCK_N=16, num_warps=1, num_stages=1, **forward_switches)
-    out, lse = attention_forward(q, k, v, p["sinks"], pattern, 0.3, config=config, cu_seqlens=cu)
-    ref_out, ref_lse = tiled_forward(q, k, v, p["sinks"], pattern, 0.3, cu_seqlens=cu)
+    out, lse = attention_forward(q, k, v, p["sinks"], pattern, scale, config=config, cu_seqlens=cu)
+    ref_out, ref_lse = tiled_forward(q, k, v, p["sinks"], pattern, scale, cu_seqlens=cu)
     assert relative_error(out, ref_out) < 1e-5 and relative_error(lse, ref_lse) < 1e-5
     dlse = p["dlse"][None]
-    grads = attention_backward(dout, q, k, v, out, lse, dlse, p["sinks"], pattern, 0.3, config=backward_config,
+    grads = attention_backward(dout, q, k, v, out, lse, dlse, p["sinks"], pattern, scale, config=backward_config,
                                cu_seqlens=cu)
-    ref_grads = tiled_backward(dout, q, k, v, ref_out, ref_lse, dlse, p["sinks"], pattern, 0.3, cu_seqlens=cu)
+    ref_grads = tiled_backward(dout, q, k, v, ref_out, ref_lse, dlse, p["sinks"], pattern, scale, cu_seqlens=cu)
     for name, g, r in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads):
         assert relative_error(g, r) < 1e-4, name
 

@@ -1,7 +1,12 @@
 """Triton kernels and their host side. Importing this package imports triton; ``gstar.ops`` does so only
-when a call runs on the Triton backend."""
+when a call runs on the Triton backend.
 
-from .backward import attention_backward
-from .forward import attention_forward
+Modules: ``attention`` (the two entry points below and their cached launch plans), ``forward`` and
+``backward`` (the kernels), ``ranges`` (the rule and the tile ranges inside the kernels), ``schedule`` (the
+dK/dV work split), ``configs`` (tile sizes per head dim, dtype and card), ``launch`` (the cached kernel
+launcher), ``descriptors`` (tensor descriptors for Hopper's copy engine), ``primers`` (a first kernel).
+"""
+
+from .attention import attention_backward, attention_forward
 
 __all__ = ["attention_forward", "attention_backward"]

@@ -11,13 +11,14 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from ..pattern import Pattern
 
 # (largest head dim, BLOCK_M, BLOCK_N, num_warps, num_stages, HALVES); the first row whose head dim fits
-# wins. D <= 128 rows are the fastest of scripts/tune-forward's sweeps (D <= 64 with PACK_GQA, H200; D = 128
-# with HALVES, H100, seventh session: fa D128 full 4.42 -> 4.09 ms, causal 2.28 -> 2.18, benchmarks/NOTES.md);
-# the D = 256 row is checked by compiling for sm_90 only (no register spills).
+# wins. The D <= 128 rows are the fastest of scripts/tune-forward's sweeps (benchmarks/NOTES.md, 'Forward
+# switches' for D <= 64 with PACK_GQA, 'HALVES at head dim 128' for D = 128); the D = 256 row is checked by
+# compiling for sm_90 only (no register spills).
 _FORWARD_16BIT = (
     (64, 128, 64, 4, 3, False),
     (128, 256, 64, 8, 4, True),
@@ -27,14 +28,14 @@ _FORWARD_16BIT = (
 # short queries: there the D <= 128 row before HALVES (the fastest then) stands in.
 _FORWARD_WITHOUT_HALVES = (128, 128, 8, 3)
 # A narrow window (GPT-OSS's 128-key layers) visits few KV blocks per Q tile: short Q tiles waste fewer
-# masked keys at the band's edges and give the SMs more programs (gpt-oss window: 0.126 ms vs 0.177 ms).
+# masked keys at the band's edges and give the SMs more programs (benchmarks/NOTES.md, 'First forward kernel
+# and its tile sweep').
 _NARROW_WINDOW = 256
 _FORWARD_NARROW_16BIT = (64, 64, 4, 2)  # BLOCK_M, BLOCK_N, num_warps, num_stages
 # With GQA heads to pack (at least _NARROW_MIN_PACK), 128-row tiles of 32-key blocks do better at head dim
 # 64: each program covers 32 or 16 positions of 4 or 8 heads, so the band it walks is as narrow as a short
-# tile's while half as many programs start, and 32-key blocks waste fewer masked keys at its edges (H100,
-# seventh session: gpt-oss window forward 0.128 -> 0.100 ms, 32k window 0.487 -> 0.370; not measured at
-# other head dims, which keep the row above).
+# tile's while half as many programs start, and 32-key blocks waste fewer masked keys at its edges
+# (benchmarks/NOTES.md, 'Narrow-window forward tiles'; other head dims, not measured, keep the row above).
 _FORWARD_NARROW_PACKED = (128, 32, 4, 3)
 _NARROW_MIN_PACK = 4
 
@@ -46,29 +47,14 @@ _FORWARD_FP32 = (
 )
 # Under the Triton interpreter (CPU tensors) small tiles make tests cover several blocks and stay fast.
 _FORWARD_INTERPRETER = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1, "HALVES": False}
-# Kernel switches (scripts/tune-forward times each against its old path). FOLD_SCALE: one FMA per score
-# in the softmax instead of a multiply and a subtract.
-# PACK_GQA: query heads of one GQA group per tile, so each K/V block is loaded once for the whole pack;
-# each head keeps at least _PACK_MIN_ROWS positions of the tile. TILES_FASTEST: the grid's fastest axis
-# walks Q tiles instead of heads (see _tiles_fastest). FLAT (narrow windows only): one masked loop over the
-# band instead of three short ones, each of which fills and drains the software pipeline. HALVES (a column
-# of the tables): two softmax states per tile, so that one half's softmax overlaps the other half's products.
-_FORWARD_FOLD_SCALE = True
+# Kernel switches (scripts/tune-forward times each; benchmarks/NOTES.md, 'Forward switches'). PACK_GQA: query
+# heads of one GQA group per tile, so each K/V block is loaded once for the whole pack; each head keeps at
+# least _PACK_MIN_ROWS positions of the tile. FLAT (narrow windows only): one masked loop over the band
+# instead of three short ones, each of which fills and drains the software pipeline. HALVES (a column of the
+# tables): two softmax states per tile, so that one half's softmax overlaps the other half's products.
 _FORWARD_PACK_GQA = 8
 _PACK_MIN_ROWS = 16
 _FORWARD_FLAT_NARROW = True
-
-
-def _tiles_fastest(pattern: Pattern) -> bool:
-    """Whether the forward's grid walks Q tiles fastest: only without any mask bound. There every tile
-    reads all of its head's K/V, so the programs running together should be one head's tiles, which
-    share that K/V in L2; with heads fastest they span every head (fa D128 full: 16 heads of 4 MB of K/V
-    against a 50 MB L2). H100, eleventh session (``results/tiles-fastest-full-nvidia-h100.log``): fa D128
-    full 4.04 -> 3.92 and 4.07 -> 4.01 ms in two runs, D64 full 1.41 -> 1.35 (64 heads) and 1.33 -> 1.31
-    (GQA 64/8), head dim 16 even. Under a causal mask or a window the tiles do unequal work, and heads
-    fastest with tiles last to first starts the longest first (fa D128 causal: tiles fastest 2.18 -> 2.23
-    ms; D64 causal at 8k and 32k, eighth session: no change)."""
-    return pattern.left < 0 and pattern.right < 0
 
 
 def _band_width(pattern: Pattern) -> int | None:
@@ -90,13 +76,11 @@ def forward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device, 
 
     head_dim: D (1..256); dtype: q's dtype; pattern: the normalised attention pattern; device: q's device;
     group: Hq // Hkv. Returns ``{"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}`` (BLOCK_M counts tile
-    rows over all packed heads) plus the kernel switches ``"FOLD_SCALE"`` (bool),
-    ``"PACK_GQA"`` (query heads per tile, a power of two dividing ``group``), ``"TILES_FASTEST"``,
-    ``"FLAT"`` and ``"HALVES"`` (bool).
+    rows over all packed heads) plus the kernel switches ``"PACK_GQA"`` (query heads per tile, a power of
+    two dividing ``group``), ``"FLAT"`` and ``"HALVES"`` (bool).
     """
     if torch.device(device).type != "cuda":
-        return dict(_FORWARD_INTERPRETER, FOLD_SCALE=_FORWARD_FOLD_SCALE, PACK_GQA=1,
-                    TILES_FASTEST=_tiles_fastest(pattern), FLAT=False)
+        return dict(_FORWARD_INTERPRETER, PACK_GQA=1, FLAT=False)
     table = _FORWARD_FP32 if dtype == torch.float32 else _FORWARD_16BIT
     block_m, block_n, num_warps, num_stages, halves = next(row[1:] for row in table if head_dim <= row[0])
     band = _band_width(pattern)
@@ -120,8 +104,7 @@ def forward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device, 
     if pattern.nq < _PACK_MIN_ROWS:
         block_m = max(16, min(block_m, pack * min_rows))  # tl.dot needs 16 rows
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages,
-            "FOLD_SCALE": _FORWARD_FOLD_SCALE, "PACK_GQA": pack, "TILES_FASTEST": _tiles_fastest(pattern),
-            "FLAT": narrow and _FORWARD_FLAT_NARROW, "HALVES": halves}
+            "PACK_GQA": pack, "FLAT": narrow and _FORWARD_FLAT_NARROW, "HALVES": halves}
 
 
 def _pack(group: int, block_m: int, min_rows: int) -> int:
@@ -138,21 +121,24 @@ def dot_precision(dtype: torch.dtype) -> str:
     if dtype != torch.float32:
         return "tf32"
     matmul = torch.backends.cuda.matmul
-    # PyTorch >= 2.9 has a newer switch; reading the legacy one after the new one was set raises
+    # PyTorch >= 2.9 has a newer switch; reading the legacy one once the new one is set raises
     precision = getattr(matmul, "fp32_precision", "none")
     allowed = matmul.allow_tf32 if precision == "none" else precision == "tf32"
     return "tf32" if allowed else "ieee"
 
 
+@triton.constexpr_function
 def next_power_of_2(n: int) -> int:
-    """The smallest power of two >= n (n >= 1), in plain Python: ``triton.next_power_of_2`` is a constexpr
-    function that costs ~1.5 us per host call."""
+    """The smallest power of two >= n (n >= 1); the kernels call it on constexprs, the host in its cached
+    plans (a constexpr function costs ~1.5 us per host call: none on the per-call path)."""
     return 1 << (n - 1).bit_length()
 
 
+@triton.constexpr_function
 def pad_head_dim(d: int) -> int:
-    """The head dim the kernels compute with: the next power of two, at least 16 (tl.dot's minimum)."""
-    return max(16, next_power_of_2(d))
+    """The head dim the kernels compute with: the next power of two, at least 16 (tl.dot's minimum). The
+    kernels derive it from HEAD_DIM; the host sizes buffers and descriptor blocks with it."""
+    return max(16, 1 << (d - 1).bit_length())
 
 
 @dataclass(frozen=True)
@@ -163,7 +149,7 @@ class BackwardConfig:
     ``dkdv_stages`` pipeline stages); ``_dq`` walks KV blocks of ``dq_n`` keys over a Q tile of ``dq_m`` rows.
     ``head_splits`` (a divisor of the GQA group) and ``q_chunk`` (Q tiles per dK/dV program) split the dK/dV
     work over more programs whose float32 partial sums are added in a fixed order; 0 lets
-    :func:`gstar.kernels.backward.split_plan` choose from the SM count (1 and unbounded when the grid is
+    :func:`gstar.kernels.schedule.split_plan` choose from the SM count (1 and unbounded when the grid is
     already large). ``flat`` runs each program's tiles as one pipelined loop with every tile masked,
     instead of one loop per (head, masked / unmasked range): narrow windows have few tiles per range, and
     short loops spend most of their time filling and draining the pipeline. ``dkdv_tma`` and ``dq_tma``
@@ -195,19 +181,16 @@ class BackwardConfig:
 # a program resident, so the key tile is as long as registers allow and the Q tile short; dQ is the mirror
 # image. Hopper's wgmma gives each warpgroup (4 warps) 64 rows of a product, so 8 warps want 128-row
 # tiles (dkdv_n = 128, dq_m = 128): with 64 rows Triton lays the scores out over both warpgroups twice.
-# The D <= 128 rows are the fastest of scripts/tune-backward on an H200 (benchmarks/NOTES.md): at D = 128
-# the 64x128 dK/dV tile spills a little (ptxas, sm_90a: 600 bytes at 3 stages) and still beats the
-# spill-free 32x128 (gpt-oss causal backward 2.77 -> 2.45 ms, fa D128 causal 8.81 -> 7.55 ms). Three dK/dV
-# stages at D <= 64 (fourth session): 8k causal backward 4.57 -> 4.40 ms, 32k 65.1 -> 63.0, window 0.343 -> 0.335.
-# TMA (fifth session, H200, scripts/kernel-times): descriptor loads of the per-step tiles made dQ faster
-# everywhere (gpt-oss causal 0.817 -> 0.776 ms, window 0.156 -> 0.148, D128 full 5.75 -> 5.01) and dK/dV
-# at D <= 64 (causal 1.332 -> 1.243), but dK/dV at D = 128 slower (7.92 -> 10.21 ms). Each descriptor
-# launch costs ~25 us more host time (Triton encodes the descriptors in Python at every launch), more
-# than the narrow window's kernels gain (0.329 -> 0.318 ms), so narrow windows keep pointers, and so do
-# backward passes under _DESCRIPTOR_MIN_WORK (B * Hq * Nq * keys per row (the window's width, or Nk) *
-# D_PAD; the gpt-oss causal case is 1.4e11): their GPU work (~0.3 ms at 1e10) is too short for the host
-# to stay ahead of it. The float32 rows are for accuracy, not speed, and keep the pointer path, as does
-# the unmeasured D = 256 row.
+# The D <= 128 rows are the fastest of scripts/tune-backward's sweeps: at D = 128 the 64x128 dK/dV tile
+# spills a little (scripts/kernel-sass) and still beats the spill-free 32x128 (benchmarks/NOTES.md, 'Backward
+# split and tiles'); D <= 64 takes three dK/dV stages ('dK/dV stages and the half-group split'). TMA:
+# descriptor loads of the per-step tiles make dQ faster at every head dim and dK/dV at D <= 64, and dK/dV at
+# D = 128 slower ('Backward tensor descriptors'). Each descriptor launch costs ~25 us more host time (Triton
+# encodes the descriptors in Python at every launch), more than the narrow window's kernels gain, so narrow
+# windows keep pointers, and so do backward passes under _DESCRIPTOR_MIN_WORK (B * Hq * Nq * keys per row
+# (the window's width, or Nk) * D_PAD; the gpt-oss causal case is 1.4e11): their GPU work (~0.3 ms at 1e10)
+# is too short for the host to stay ahead of it. The float32 rows are for accuracy, not speed, and keep the
+# pointer path, as does the unmeasured D = 256 row.
 _DESCRIPTOR_MIN_WORK = 10 ** 10
 _BACKWARD_16BIT = (
     (64, True, (64, 64, 4, 3, False), (64, 64, 4, 2, False)),   # narrow window: a KV tile is seen by few Q tiles
@@ -216,9 +199,8 @@ _BACKWARD_16BIT = (
     (256, False, (16, 32, 4, 1, False), (32, 32, 4, 1, False)),
 )
 # Narrow windows at head dim 64 with GQA heads to pack: dQ tiles of 16 positions of 4 heads over 32-key
-# blocks, as the forward's packed tiles (each program's band spans 143 keys instead of 191); H100, eighth
-# session: gpt-oss window backward 0.341 -> 0.330 ms, 8k 0.342 -> 0.331, 32k 1.37 -> 1.27; 8 heads per
-# tile, 128-row tiles and causal patterns were slower or even, head dim 16 within the host's noise.
+# blocks, as the forward's packed tiles (each program's band spans 143 keys instead of 191); 8 heads per
+# tile, 128-row tiles and causal patterns are slower or even (benchmarks/NOTES.md, 'Packed dQ tiles').
 _DQ_NARROW_PACKED = (64, 32, 4, 2, False)
 _DQ_NARROW_PACK = 4
 
@@ -229,7 +211,7 @@ def backward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device,
     ``batch_heads`` = B * Hq, which with the pattern sizes the work for the descriptor switches).
 
     Under the interpreter the tiles are small and unequal, so that the two block tables differ and tests
-    span several tiles; the dK/dV split is left to :func:`gstar.kernels.backward.split_plan` (which does not
+    span several tiles; the dK/dV split is left to :func:`gstar.kernels.schedule.split_plan` (which does not
     split on CPU: tests force it through ``head_splits`` / ``q_chunk``).
     """
     if torch.device(device).type != "cuda":

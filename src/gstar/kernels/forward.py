@@ -2,73 +2,65 @@
 
 Each program loads its ``(BLOCK_M, D)`` Q tile once and walks the KV blocks that
 :func:`gstar.kernels.ranges.kv_range` (the in-kernel twin of :func:`gstar.pattern.kv_blocks`) finds for it,
-in four ranges: sink-token blocks, the leading boundary
-of the window band, the fully visible interior, and the trailing boundary. Only boundary blocks evaluate
-the visibility rule; the interior runs without any mask arithmetic. The softmax runs in base 2 with
-``scale * log2(e)`` folded into one FMA per score; a learned sink starts each row's running max (and its
-running sum at 1), so it costs nothing inside the loop.
+in four segments: sink-token blocks, the leading boundary of the window band, the fully visible interior,
+and the trailing boundary. Only boundary blocks evaluate the visibility rule
+(:func:`gstar.kernels.ranges.visible`); the interior runs without any mask arithmetic. The softmax runs in
+base 2: each block's max is taken over raw scores and scaled once per row, and ``exp2(s * qk_scale - m)``
+is one FMA per score (the factor must be positive: the host folds a negative or zero scale into q). A
+learned sink starts each row's running max (and its running sum at 1), so it costs nothing inside the loop.
 
 Switches, chosen per call by :func:`gstar.kernels.configs.forward_config` and timed by
-``scripts/tune-forward``: ``PACK_GQA`` stacks several query heads of one GQA group in a tile so each K/V
-block is loaded once for all of them; ``FOLD_SCALE`` (positive scales only) takes the max over raw
-scores; ``TILES_FASTEST`` reorders the grid; ``FLAT`` walks the window band in one masked loop (narrow
-windows); ``HALVES`` runs the tile as two halves whose softmax and products overlap (D = 128 on Hopper);
-``VARLEN`` reads each sequence's bounds from ``cu_seqlens`` (packed sequences, one launch).
+``scripts/tune-forward``: ``PACK`` stacks several query heads of one GQA group in a tile so each K/V block
+is loaded once for all of them; ``FLAT`` walks the window band in one masked loop (narrow windows);
+``HALVES`` runs the tile as two halves whose softmax and products overlap (D = 128 on Hopper). The rest
+follows from the arguments: learned sinks from ``Sinks``, packed sequences from ``CuQ`` / ``CuK`` (each
+sequence's bounds read on the device, one launch for all), the grid order from the window bounds
+(:func:`tiles_fastest`), the padded head dim from ``HEAD_DIM``.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-from typing import NamedTuple
 
-import torch
 import triton
 import triton.language as tl
 
-from ..pattern import Pattern, cdiv
-from .. import buffers
-from .configs import dot_precision, forward_config, pad_head_dim
-from .launch import constexprs, launch
-from .ranges import kv_range, sequence_bounds, tile_rows
+from .configs import pad_head_dim
+from .ranges import kv_range, sequence_bounds, tile_rows, visible
 
-LOG2E = math.log2(math.e)
-_LOG2E = tl.constexpr(LOG2E)
+_LOG2E = tl.constexpr(math.log2(math.e))
 _LN2 = tl.constexpr(math.log(2.0))
 
 
+@triton.constexpr_function
+def tiles_fastest(has_left: bool, has_right: bool) -> bool:
+    """Whether the grid walks Q tiles fastest (else heads): only without any mask bound. There every tile
+    reads all of its head's K/V, so the programs running together should be one head's tiles, which share
+    that K/V in L2; with heads fastest they span every head (fa D128 full: 16 heads of 4 MB of K/V against
+    a 50 MB L2). Under a causal mask or a window the tiles do unequal work, and heads fastest with tiles
+    last to first starts the longest first (benchmarks/NOTES.md, 'Full attention walks Q tiles fastest').
+    The kernel and the host's grid both ask here."""
+    return not has_left and not has_right
+
+
 @triton.jit
-def _softmax_step(s, acc, m_i, l_i, cols, lo_key, hi_key, qk_scale, Nk, sink_tokens,
+def _softmax_step(s, acc, m_i, l_i, rows, cols, qk_scale, Nq, Nk, left, right, sink_tokens,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
-                  MASKED: tl.constexpr, MAY_BE_EMPTY: tl.constexpr, FOLD_SCALE: tl.constexpr):
+                  MASKED: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
     """One KV block's online-softmax update of R rows: returns ``(p, acc, m_i, l_i)``, with ``acc``
     rescaled to the new max and ``p`` the block's float32 weights, ready for ``acc += p @ v``.
 
     s: (R, BLOCK_N) raw scores; acc: (R, D_PAD) float32; m_i, l_i: (R,) float32 running max (base 2,
-    scaled) and running sum; cols: (BLOCK_N,) key indices; lo_key, hi_key: (R,) each row's window bounds
-    ``p(i) - left`` and ``p(i) + right``.
-    ``MASKED`` blocks evaluate the rule of ``gstar.pattern`` and hide keys past ``Nk``; the others are
-    whole blocks visible to every stored row. ``MAY_BE_EMPTY``: a row can still have ``m_i = -inf`` here
-    (no learned sink), so masked blocks must shift such rows by 0.
-    ``FOLD_SCALE`` (needs qk_scale > 0): the max is taken over raw scores and scaled once per row, and
-    ``exp2(s * qk_scale - m)`` is one FMA per score instead of a multiply then a subtract.
+    scaled) and running sum; rows: (R,) query positions; cols: (BLOCK_N,) key indices; qk_scale > 0.
+    ``MASKED`` blocks evaluate :func:`gstar.kernels.ranges.visible`; the others are whole blocks visible to
+    every stored row. ``MAY_BE_EMPTY``: a row can still have ``m_i = -inf`` here (no learned sink), so
+    masked blocks must shift such rows by 0.
     """
-    if not FOLD_SCALE:
-        s = s * qk_scale  # base-2 logits
     if MASKED:
-        visible = cols[None, :] < Nk
-        if HAS_RIGHT:
-            visible = visible & (cols[None, :] <= hi_key[:, None])
-        if HAS_LEFT:
-            inside = cols[None, :] >= lo_key[:, None]
-            if HAS_SINK_TOKENS:
-                inside = inside | (cols[None, :] < sink_tokens)
-            visible = visible & inside
-        s = tl.where(visible, s, float("-inf"))
-    if FOLD_SCALE:
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # (R,); max commutes with a positive scale
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        ok = visible(rows[:, None], cols[None, :], Nq, Nk, left, right, sink_tokens,
+                     HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)
+        s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # (R,); max commutes with a positive scale
     if MASKED and MAY_BE_EMPTY:
         # a row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
         # m_i itself stays -inf: a finite stand-in could sit far above later scores and flush them to 0
@@ -76,32 +68,30 @@ def _softmax_step(s, acc, m_i, l_i, cols, lo_key, hi_key, qk_scale, Nk, sink_tok
     else:
         shift = m_new  # a whole visible block, or a learned sink, gives every row a finite max
     alpha = tl.math.exp2(m_i - shift)  # (R,)
-    if FOLD_SCALE:
-        p = tl.math.exp2(s * qk_scale - shift[:, None])  # (R, BLOCK_N)
-    else:
-        p = tl.math.exp2(s - shift[:, None])
+    p = tl.math.exp2(s * qk_scale - shift[:, None])  # (R, BLOCK_N): one FMA per score
     l_i = l_i * alpha + tl.sum(p, 1)
     # the rescaled accumulator goes into the next dot as its accumulator, so the MMA adds into it in place
     return p, acc * alpha[:, None], m_new, l_i
 
 
 @triton.jit
-def _attend_blocks(acc, m_i, l_i, q, lo_key, hi_key, acc2, m2, l2, q2, lo2, hi2,
-                   k_ptrs, v_ptrs, stride_kn, stride_vn, offs_n, d_ok, block_lo, block_hi, qk_scale, Nk,
-                   sink_tokens, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+def _attend_blocks(acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2,
+                   k_ptrs, v_ptrs, stride_kn, stride_vn, offs_n, d_ok, block_lo, block_hi, qk_scale, Nq, Nk,
+                   left, right, sink_tokens, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
-                   MASKED: tl.constexpr, MAY_BE_EMPTY: tl.constexpr, FOLD_SCALE: tl.constexpr,
-                   PRECISION: tl.constexpr, HALVES: tl.constexpr):
+                   MASKED: tl.constexpr, MAY_BE_EMPTY: tl.constexpr, PRECISION: tl.constexpr,
+                   HALVES: tl.constexpr):
     """Fold KV blocks ``[block_lo, block_hi)`` into the running state of one Q tile.
 
-    ``(acc, m_i, l_i, q, lo_key, hi_key)`` are the state and rows of the tile (or of its first half with
-    HALVES), as in :func:`_softmax_step`, with q: (R, D_PAD); ``(acc2, ..., hi2)`` those of the second half
-    (ignored and returned as they came without HALVES). k_ptrs: (D_PAD, BLOCK_N) and v_ptrs:
-    (BLOCK_N, D_PAD) point at keys 0..BLOCK_N-1 of this kv head; offs_n: (BLOCK_N,); d_ok: (D_PAD,) real
-    head-dim lanes. Masked blocks also guard the loads of keys past ``Nk``.
+    ``(acc, m_i, l_i, q, rows)`` are the state and rows of the tile (or of its first half with HALVES), as
+    in :func:`_softmax_step`, with q: (R, D_PAD); ``(acc2, ..., rows2)`` those of the second half (ignored
+    and returned as they came without HALVES). k_ptrs: (D_PAD, BLOCK_N) and v_ptrs: (BLOCK_N, D_PAD) point
+    at keys 0..BLOCK_N-1 of this kv head; offs_n: (BLOCK_N,); d_ok: (D_PAD,) real head-dim lanes. Masked
+    blocks also guard the loads of keys past ``Nk``; whole blocks of an unpadded head dim load unmasked.
     HALVES: both halves' score products are issued before either softmax, so the tensor cores work on
     the second half's scores, then the first half's output, while the softmax of the other half runs.
     """
+    EVEN_D: tl.constexpr = HEAD_DIM == pad_head_dim(HEAD_DIM)
     for block in range(block_lo, block_hi):
         start_n = block * BLOCK_N
         cols = start_n + offs_n  # (BLOCK_N,)
@@ -115,8 +105,8 @@ def _attend_blocks(acc, m_i, l_i, q, lo_key, hi_key, acc2, m2, l2, q2, lo2, hi2,
         s = tl.dot(q, k, input_precision=PRECISION)  # (R, BLOCK_N) raw scores
         if HALVES:
             s2 = tl.dot(q2, k, input_precision=PRECISION)
-        p, acc, m_i, l_i = _softmax_step(s, acc, m_i, l_i, cols, lo_key, hi_key, qk_scale, Nk, sink_tokens,
-                                         HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, MASKED, MAY_BE_EMPTY, FOLD_SCALE)
+        p, acc, m_i, l_i = _softmax_step(s, acc, m_i, l_i, rows, cols, qk_scale, Nq, Nk, left, right, sink_tokens,
+                                         HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, MASKED, MAY_BE_EMPTY)
         v_block = v_ptrs + start_n.to(tl.int64) * stride_vn
         if MASKED:
             v = tl.load(v_block, mask=(cols[:, None] < Nk) & d_ok[None, :], other=0.0)
@@ -126,49 +116,50 @@ def _attend_blocks(acc, m_i, l_i, q, lo_key, hi_key, acc2, m2, l2, q2, lo2, hi2,
             v = tl.load(v_block, mask=d_ok[None, :], other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         if HALVES:
-            p2, acc2, m2, l2 = _softmax_step(s2, acc2, m2, l2, cols, lo2, hi2, qk_scale, Nk, sink_tokens,
-                                             HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, MASKED, MAY_BE_EMPTY,
-                                             FOLD_SCALE)
+            p2, acc2, m2, l2 = _softmax_step(s2, acc2, m2, l2, rows2, cols, qk_scale, Nq, Nk, left, right,
+                                             sink_tokens, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, MASKED,
+                                             MAY_BE_EMPTY)
             acc2 = tl.dot(p2.to(v.dtype), v, acc2, input_precision=PRECISION)
     return acc, m_i, l_i, acc2, m2, l2
 
 
 @triton.jit
-def _start_rows(Q, Sinks, offs, h0, row_start, q_start, b, stride_qb, stride_qh, stride_qm, offs_d, d_ok,
-                Nq, Nk, left, right, ROWS: tl.constexpr, R: tl.constexpr, D_PAD: tl.constexpr,
-                HAS_SINKS: tl.constexpr):
+def _start_rows(Q, Sinks, offs, h0, row_start, q_start, b, stride_q, Nq, ROWS: tl.constexpr,
+                HEAD_DIM: tl.constexpr):
     """Load the Q rows ``offs`` (R,) of the tile and start their softmax state: returns
-    ``(q, lo_key, hi_key, acc, m_i, l_i)`` as :func:`_attend_blocks` takes them."""
+    ``(q, rows, acc, m_i, l_i)`` as :func:`_attend_blocks` takes them."""
+    R: tl.constexpr = offs.shape[0]
+    D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
+    offs_d = tl.arange(0, D_PAD)
     heads, rows, row_ok, tokens = tile_rows(offs, h0, row_start, q_start, Nq, ROWS)
-    q_rows = b * stride_qb + heads.to(tl.int64) * stride_qh + tokens * stride_qm  # (R,)
-    q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :],
+    q_rows = b * stride_q[0] + heads.to(tl.int64) * stride_q[1] + tokens * stride_q[2]  # (R,)
+    q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
                 other=0.0)  # (R, D_PAD)
-    lo_key = rows + (Nk - Nq) - left  # (R,) window bounds of each row, used by masked blocks only
-    hi_key = rows + (Nk - Nq) + right
     acc = tl.zeros([R, D_PAD], dtype=tl.float32)
-    if HAS_SINKS:
+    if Sinks is not None:
         # exp2(m) * l = exp(sink): the sink is already in the sum, with no value to carry
         m_i = tl.load(Sinks + heads) * _LOG2E  # (R,)
         l_i = tl.zeros([R], dtype=tl.float32) + 1.0
     else:
         m_i = tl.full([R], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([R], dtype=tl.float32)
-    return q, lo_key, hi_key, acc, m_i, l_i
+    return q, rows, acc, m_i, l_i
 
 
 @triton.jit
-def _finish_rows(Out, Lse, acc, m_i, l_i, offs, h0, row_start, q_start, b, stride_ob, stride_oh, stride_om,
-                stride_lb, stride_lh, offs_d, d_ok, Nq, ROWS: tl.constexpr):
+def _finish_rows(Out, Lse, acc, m_i, l_i, offs, h0, row_start, q_start, b, stride_o, stride_lse, Nq,
+                 ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Normalise and store the rows ``offs`` (R,) of the tile: Out in its dtype, the natural-log LSE."""
+    offs_d = tl.arange(0, pad_head_dim(HEAD_DIM))
     heads, rows, row_ok, tokens = tile_rows(offs, h0, row_start, q_start, Nq, ROWS)
     # rows that saw no key (and no sink) have l = 0 and acc = 0: divide by 1 to store exact zeros
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = (acc / l_safe[:, None]).to(Out.dtype.element_ty)  # (R, D_PAD)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * _LN2)  # (R,) natural log
-    o_rows = b * stride_ob + heads.to(tl.int64) * stride_oh + tokens * stride_om  # (R,)
-    tl.store(Out + o_rows[:, None] + offs_d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(Lse + b * stride_lb + heads.to(tl.int64) * stride_lh + tokens, lse, mask=row_ok)
+    o_rows = b * stride_o[0] + heads.to(tl.int64) * stride_o[1] + tokens * stride_o[2]  # (R,)
+    tl.store(Out + o_rows[:, None] + offs_d[None, :], out, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    tl.store(Lse + b * stride_lse[0] + heads.to(tl.int64) * stride_lse[1] + tokens, lse, mask=row_ok)
 
 
 # sequence lengths and window bounds change from call to call: specialising on them (== 1, % 16) would
@@ -176,39 +167,36 @@ def _finish_rows(Out, Lse, acc, m_i, l_i, offs, h0, row_start, q_start, b, strid
 @triton.jit(do_not_specialize=["Nq", "Nk", "left", "right", "sink_tokens"])
 def _forward_kernel(
         Q, K, V, Sinks, Out, Lse, CuQ, CuK,
-        stride_qb, stride_qh, stride_qm,
-        stride_kb, stride_kh, stride_kn,
-        stride_vb, stride_vh, stride_vn,
-        stride_ob, stride_oh, stride_om,
-        stride_lb, stride_lh,
+        stride_q, stride_k, stride_v, stride_o, stride_lse,
         group, Nq, Nk, left, right, sink_tokens, qk_scale,
-        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, EVEN_D: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr,
         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
-        HAS_SINKS: tl.constexpr, FOLD_SCALE: tl.constexpr, TILES_FASTEST: tl.constexpr,
-        FLAT: tl.constexpr, HALVES: tl.constexpr, VARLEN: tl.constexpr, PRECISION: tl.constexpr):
-    """Grid ``(Hq // PACK, n_tiles, B)``, its first two axes swapped if TILES_FASTEST.
+        FLAT: tl.constexpr, HALVES: tl.constexpr, PRECISION: tl.constexpr):
+    """Grid ``(Hq // PACK, n_tiles, B)``, its first two axes swapped where :func:`tiles_fastest`.
 
-    Dense (VARLEN off): Q, Out: (B, Hq, Nq, HEAD_DIM); K, V: (B, Hkv, Nk, HEAD_DIM); Lse: (B, Hq, Nq)
-    float32 with strides (stride_lb, stride_lh, 1); n_tiles = cdiv(Nq, BLOCK_M // PACK).
-    Packed (VARLEN on): axis 2 is the sequence s, whose rows are ``CuQ[s] .. CuQ[s + 1]`` of Q, Out:
-    (total_q, Hq, HEAD_DIM) and keys ``CuK[s] .. CuK[s + 1]`` of K, V: (total_k, Hkv, HEAD_DIM) (batch
-    strides 0); Lse: (Hq, total_q); CuQ, CuK: (B + 1,) int32; n_tiles covers the longest sequence and the
-    tiles past a shorter one exit at once; Nq, Nk are unused.
-    All with unit last stride; Hkv = Hq // group. Sinks: (Hq,) float32 (read only if HAS_SINKS).
-    qk_scale = scale * log2(e), and > 0 if FOLD_SCALE. EVEN_D: HEAD_DIM == D_PAD, so that whole blocks
-    load without any mask.
+    Dense (CuQ, CuK None): Q, Out: (B, Hq, Nq, HEAD_DIM); K, V: (B, Hkv, Nk, HEAD_DIM); Lse: (B, Hq, Nq)
+    float32; n_tiles = cdiv(Nq, BLOCK_M // PACK).
+    Packed (CuQ, CuK: (B + 1,) int32): axis 2 is the sequence s, whose rows are ``CuQ[s] .. CuQ[s + 1]`` of
+    Q, Out: (total_q, Hq, HEAD_DIM) and keys ``CuK[s] .. CuK[s + 1]`` of K, V: (total_k, Hkv, HEAD_DIM)
+    (batch strides 0); Lse: (Hq, total_q); n_tiles covers the longest sequence and the tiles past a shorter
+    one exit at once; Nq, Nk are unused.
+    ``stride_x``: the (batch, head, row) strides of x, whose last stride is 1; stride_lse: (batch, head),
+    unit row stride. Hkv = Hq // group. Sinks: None or (Hq,) float32 learned sink logits.
+    qk_scale = scale * log2(e) > 0. HAS_LEFT, HAS_RIGHT: whether ``left`` / ``right`` bound the
+    window; HAS_SINK_TOKENS: whether ``sink_tokens`` > 0 (under a left bound).
     PACK: query heads of one GQA group (PACK divides group) stacked in one tile of BLOCK_M rows, PACK
     heads times BLOCK_M // PACK positions: each K/V block is loaded once for all of them.
     FLAT: walk the window band in one loop with every block masked, instead of masked / unmasked / masked.
     HALVES: the tile's rows as two halves of BLOCK_M // 2, each with its own scores and softmax state, so
     that one half's softmax overlaps the other half's products (BLOCK_M // 2 must still fill the MMA).
     """
+    D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
+    VARLEN: tl.constexpr = CuQ is not None
     ROWS: tl.constexpr = BLOCK_M // PACK
     # Heads vary fastest, so the query heads of a GQA group run side by side and share K/V through L2, or
-    # with TILES_FASTEST (full attention) one head's tiles do, each of which reads all of that head's K/V;
-    # tiles run last to first, so under a causal mask the longest rows start first and short ones fill in.
-    HEAD_AXIS: tl.constexpr = 1 if TILES_FASTEST else 0
+    # without mask bounds one head's tiles do, each of which reads all of that head's K/V; tiles run last to
+    # first, so under a causal mask the longest rows start first and short ones fill in.
+    HEAD_AXIS: tl.constexpr = 1 if tiles_fastest(HAS_LEFT, HAS_RIGHT) else 0
     h0 = tl.program_id(HEAD_AXIS) * PACK  # first query head of this tile
     tile = tl.num_programs(1 - HEAD_AXIS) - 1 - tl.program_id(1 - HEAD_AXIS)
     b = tl.program_id(2).to(tl.int64)  # 64-bit offsets from here on: one head's offset may pass 2^31
@@ -224,129 +212,41 @@ def _forward_kernel(
     offs_m = tl.arange(0, R)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
-    d_ok = offs_d < HEAD_DIM  # (D_PAD,) all true unless D was padded to a power of two
-    q, lo_key, hi_key, acc, m_i, l_i = _start_rows(
-        Q, Sinks, offs_m, h0, row_start, q_start, b, stride_qb, stride_qh, stride_qm, offs_d, d_ok, Nq, Nk,
-        left, right, ROWS, R, D_PAD, HAS_SINKS)
+    d_ok = offs_d < HEAD_DIM  # (D_PAD,) all true unless D is padded to a power of two
+    q, rows, acc, m_i, l_i = _start_rows(Q, Sinks, offs_m, h0, row_start, q_start, b, stride_q, Nq, ROWS,
+                                         HEAD_DIM)
     if HALVES:
-        q2, lo2, hi2, acc2, m2, l2 = _start_rows(
-            Q, Sinks, offs_m + R, h0, row_start, q_start, b, stride_qb, stride_qh, stride_qm, offs_d, d_ok, Nq,
-            Nk, left, right, ROWS, R, D_PAD, HAS_SINKS)
+        q2, rows2, acc2, m2, l2 = _start_rows(Q, Sinks, offs_m + R, h0, row_start, q_start, b, stride_q, Nq,
+                                              ROWS, HEAD_DIM)
     else:  # placeholders that _attend_blocks passes through untouched
-        q2, lo2, hi2, acc2, m2, l2 = q, lo_key, hi_key, acc, m_i, l_i
-    k_first = b * stride_kb + h_kv * stride_kh + k_start * stride_kn
-    v_first = b * stride_vb + h_kv * stride_vh + k_start * stride_vn
-    k_ptrs = K + k_first + offs_n[None, :] * stride_kn + offs_d[:, None]  # (D_PAD, BLOCK_N) K^T
-    v_ptrs = V + v_first + offs_n[:, None] * stride_vn + offs_d[None, :]  # (BLOCK_N, D_PAD)
+        q2, rows2, acc2, m2, l2 = q, rows, acc, m_i, l_i
+    k_first = b * stride_k[0] + h_kv * stride_k[1] + k_start * stride_k[2]
+    v_first = b * stride_v[0] + h_kv * stride_v[1] + k_start * stride_v[2]
+    k_ptrs = K + k_first + offs_n[None, :] * stride_k[2] + offs_d[:, None]  # (D_PAD, BLOCK_N) K^T
+    v_ptrs = V + v_first + offs_n[:, None] * stride_v[2] + offs_d[None, :]  # (BLOCK_N, D_PAD)
 
     sink_end, band_start, full_start, full_end, band_end = kv_range(
         row_start, Nq, Nk, left, right, sink_tokens, ROWS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-
-    may_be_empty: tl.constexpr = not HAS_SINKS
-    if HAS_SINK_TOKENS:
-        acc, m_i, l_i, acc2, m2, l2 = _attend_blocks(
-            acc, m_i, l_i, q, lo_key, hi_key, acc2, m2, l2, q2, lo2, hi2, k_ptrs, v_ptrs, stride_kn, stride_vn,
-            offs_n, d_ok, 0, sink_end, qk_scale, Nk, sink_tokens, BLOCK_N, EVEN_D, HAS_LEFT, HAS_RIGHT,
-            HAS_SINK_TOKENS, True, may_be_empty, FOLD_SCALE, PRECISION, HALVES)
     if FLAT:
         # one pipelined loop over the whole band, every block masked: a narrow window's few blocks per
-        # range would otherwise spend most of their time filling and draining three short pipelines
+        # segment would otherwise spend most of their time filling and draining three short pipelines
         full_start = band_end
-        full_end = band_end
-    acc, m_i, l_i, acc2, m2, l2 = _attend_blocks(
-        acc, m_i, l_i, q, lo_key, hi_key, acc2, m2, l2, q2, lo2, hi2, k_ptrs, v_ptrs, stride_kn, stride_vn,
-        offs_n, d_ok, band_start, full_start, qk_scale, Nk, sink_tokens, BLOCK_N, EVEN_D, HAS_LEFT, HAS_RIGHT,
-        HAS_SINK_TOKENS, True, may_be_empty, FOLD_SCALE, PRECISION, HALVES)
-    if not FLAT:
-        acc, m_i, l_i, acc2, m2, l2 = _attend_blocks(
-            acc, m_i, l_i, q, lo_key, hi_key, acc2, m2, l2, q2, lo2, hi2, k_ptrs, v_ptrs, stride_kn, stride_vn,
-            offs_n, d_ok, full_start, full_end, qk_scale, Nk, sink_tokens, BLOCK_N, EVEN_D, HAS_LEFT,
-            HAS_RIGHT, HAS_SINK_TOKENS, False, may_be_empty, FOLD_SCALE, PRECISION, HALVES)
-        acc, m_i, l_i, acc2, m2, l2 = _attend_blocks(
-            acc, m_i, l_i, q, lo_key, hi_key, acc2, m2, l2, q2, lo2, hi2, k_ptrs, v_ptrs, stride_kn, stride_vn,
-            offs_n, d_ok, full_end, band_end, qk_scale, Nk, sink_tokens, BLOCK_N, EVEN_D, HAS_LEFT,
-            HAS_RIGHT, HAS_SINK_TOKENS, True, may_be_empty, FOLD_SCALE, PRECISION, HALVES)
+    # sink-token blocks, then the band's masked leading edge, unmasked interior and masked trailing edge;
+    # only the segments that can hold blocks are compiled
+    starts = (0, band_start, full_start, full_end)
+    ends = (sink_end, full_start, full_end, band_end)
+    for segment in tl.static_range(4):
+        if (segment > 0 or HAS_SINK_TOKENS) and (segment < 2 or not FLAT):
+            acc, m_i, l_i, acc2, m2, l2 = _attend_blocks(
+                acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2, k_ptrs=k_ptrs, v_ptrs=v_ptrs,
+                stride_kn=stride_k[2], stride_vn=stride_v[2], offs_n=offs_n, d_ok=d_ok, block_lo=starts[segment],
+                block_hi=ends[segment], qk_scale=qk_scale, Nq=Nq, Nk=Nk, left=left, right=right,
+                sink_tokens=sink_tokens, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, HAS_LEFT=HAS_LEFT,
+                HAS_RIGHT=HAS_RIGHT, HAS_SINK_TOKENS=HAS_SINK_TOKENS, MASKED=segment != 2,
+                MAY_BE_EMPTY=Sinks is None, PRECISION=PRECISION, HALVES=HALVES)
 
-    _finish_rows(Out, Lse, acc, m_i, l_i, offs_m, h0, row_start, q_start, b, stride_ob, stride_oh, stride_om,
-                stride_lb, stride_lh, offs_d, d_ok, Nq, ROWS)
+    _finish_rows(Out, Lse, acc, m_i, l_i, offs_m, h0, row_start, q_start, b, stride_o, stride_lse, Nq, ROWS,
+                 HEAD_DIM)
     if HALVES:
-        _finish_rows(Out, Lse, acc2, m2, l2, offs_m + R, h0, row_start, q_start, b, stride_ob, stride_oh,
-                    stride_om, stride_lb, stride_lh, offs_d, d_ok, Nq, ROWS)
-
-
-class _Plan(NamedTuple):
-    """What a forward launch needs besides the data, derived once per layout by :func:`_launch_plan`."""
-
-    grid: tuple[int, int, int]
-    lse_shape: tuple[int, int, int]
-    head: tuple   # scalars before Out's strides: the strides of q, k, v
-    tail: tuple   # scalars after them: Lse's strides, group, Nq, Nk, left, right, sink_tokens, qk_scale
-    options: tuple
-
-
-def batch_strides(stride: tuple, varlen: bool) -> tuple:
-    """The (batch, head, row) strides a kernel takes from a tensor's ``stride()``: packed sequences are
-    found through cu_seqlens, not a batch stride."""
-    return (0, *stride[1:3]) if varlen else stride[:3]
-
-
-@functools.lru_cache(maxsize=256)
-def _launch_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tuple, v_stride: tuple,
-                 dtype: torch.dtype, device: torch.device, has_sinks: bool, pattern: Pattern, scale: float,
-                 seqs: int | None, config: tuple | None, precision: str) -> _Plan:
-    """The launch of one layout (shapes, strides, dtype, pattern; ``seqs``: the number of packed sequences,
-    None for a dense batch; ``config``: the caller's overrides as sorted items). A cache hit costs a few
-    us, where deriving the launch costs tens at every call, more than a small layer's GPU time."""
-    B, Hq, Nq, D = q_shape
-    Hkv, Nk = k_shape[1], k_shape[2]
-    varlen = seqs is not None
-    cfg = forward_config(D, dtype, pattern, device, group=Hq // Hkv)
-    cfg.update(config or ())
-    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    pack = math.gcd(cfg["PACK_GQA"], Hq // Hkv, block_m)
-    rows = block_m // pack  # positions per tile and head
-    grid = (Hq // pack, cdiv(pattern.nq, rows), seqs if varlen else B)
-    if cfg["TILES_FASTEST"]:
-        grid = (grid[1], grid[0], grid[2])
-    d_pad = pad_head_dim(D)
-    return _Plan(
-        grid, (B, Hq, Nq), tuple(x for s in (q_stride, k_stride, v_stride) for x in batch_strides(s, varlen)),
-        (0 if varlen else Hq * Nq, Nq, Hq // Hkv, Nq, Nk, pattern.left, pattern.right, pattern.sink_tokens,
-         scale * LOG2E),
-        constexprs(
-            HEAD_DIM=D, D_PAD=d_pad, EVEN_D=d_pad == D, BLOCK_M=block_m, BLOCK_N=block_n, PACK=pack,
-            HAS_LEFT=pattern.left >= 0, HAS_RIGHT=pattern.right >= 0, HAS_SINK_TOKENS=pattern.sink_tokens > 0,
-            HAS_SINKS=has_sinks, FOLD_SCALE=bool(cfg["FOLD_SCALE"]) and scale > 0,
-            TILES_FASTEST=bool(cfg["TILES_FASTEST"]), FLAT=bool(cfg["FLAT"]), HALVES=bool(cfg["HALVES"]),
-            VARLEN=varlen, PRECISION=precision, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
-
-
-def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: dict | None = None, *,
-                      cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """Attention forward on validated inputs; returns ``(out, lse)``.
-
-    Dense: q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D); pattern: the normalised :class:`Pattern` of the
-    batch. Packed (``cu_seqlens=(cu_q, cu_k)``, each (num_seqs + 1,) int32 on q's device): q: (1, Hq,
-    total_q, D), k, v: (1, Hkv, total_k, D) (heads-first views of the packed tensors), and ``pattern``
-    carries the window and the longest lengths (max_seqlen_q, max_seqlen_k); each sequence gets its own
-    pattern inside the kernel, with nothing read on the host.
-    float16/bfloat16/float32, any strides with unit last stride (never copied). sinks: None or (Hq,)
-    float32, unscaled. ``config`` overrides :func:`forward_config` (same keys; missing switches take its
-    defaults), for tests and tuning. The switches are requests: ``FOLD_SCALE`` is ignored for scale <= 0,
-    and ``PACK_GQA`` shrinks to the largest power of two dividing the GQA group.
-
-    out: q's shape and dtype, zero rows where no key is visible; dense: in q's memory layout, packed: a
-    heads-first view of a contiguous (total_q, Hq, D) tensor.
-    lse: (B, Hq, Nq), or (1, Hq, total_q) when packed, float32 contiguous natural-log logsumexp with the
-    sink term; ``-inf`` (or ``sinks[h]``) for rows that see no key.
-    """
-    varlen = cu_seqlens is not None
-    plan = _launch_plan(q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device,
-                        sinks is not None, pattern, scale, cu_seqlens[0].shape[0] - 1 if varlen else None,
-                        tuple(sorted(config.items())) if config else None, dot_precision(q.dtype))
-    out = (buffers.empty_packed_like if varlen else buffers.empty_like)(q)         # q's shape
-    lse = buffers.empty(plan.lse_shape, dtype=torch.float32, device=q.device)      # (B, Hq, Nq)
-    cu_q, cu_k = cu_seqlens if varlen else (lse, lse)  # any pointer when VARLEN is off
-    launch(_forward_kernel, plan.grid, (q, k, v, sinks, out, lse, cu_q, cu_k),
-           (*plan.head, *batch_strides(out.stride(), varlen), *plan.tail), plan.options)
-    return out, lse
+        _finish_rows(Out, Lse, acc2, m2, l2, offs_m + R, h0, row_start, q_start, b, stride_o, stride_lse, Nq, ROWS,
+                     HEAD_DIM)

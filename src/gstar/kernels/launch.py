@@ -1,7 +1,7 @@
 """Kernel launches with less host time: Triton's own launch once per argument signature, then the
 compiled kernel directly.
 
-``kernel[grid](*args)`` costs about 30 us of Python on an H100 / H200 host for our ~50-argument kernels,
+``kernel[grid](*args)`` costs about 30 us of Python on an H100 / H200 host for our ~40-argument kernels,
 most of it Triton re-deriving, argument by argument, which compiled specialisation applies (dtype and
 16-byte alignment of each pointer; whether each int is 1 or a multiple of 16, and its width) and looking
 it up; the launch itself takes about 10 us (``scripts/profile-host``). At small shapes (the stage rows, a
@@ -13,16 +13,25 @@ options (a tuple made once per shape by :func:`constexprs`). It keeps two maps p
 *refinement* of Triton's specialisation: the dtype and 16-byte alignment of every tensor, every
 constexpr and launch option, and the scalars either exactly (the first map: the cheapest key, a tuple
 hashed as it comes) or by class (the second: each int equal to 1, a multiple of 16 or neither, and
-32-bit, 64-bit or wider; each float by its type). Calls with equal keys have equal Triton
+32-bit, 64-bit or wider; each float by its type; a tuple of strides element by element). Calls with equal
+keys have equal Triton
 specialisations and run the same compiled kernel, which the first such call obtained through Triton's
 normal path; the scalars themselves are passed at every launch. A repeated shape hits the first map; a
 shape that changes every call (a decode loop's growing Nk and the strides of its growing K/V cache)
 misses it and hits the second. Anything else (a tensor descriptor argument, a launch hook such as a
 profiler's, the interpreter) takes Triton's normal path every time. Triton settings read at launch
 (``TRITON_DEBUG``, instrumentation) reach a cached kernel only through a new process.
+
+The direct launch replays the call that Triton's own launch makes to a compiled kernel (``kernel.run`` with
+its ``function`` and ``packed_metadata``, the constexprs found through ``fn.signature`` and
+``fn.arg_names``): internals that no Triton release promises to keep. They are checked once per process, at
+the first GPU launch (:func:`_replay_supported`: Triton's ``JITFunction.run`` still makes that call, and the
+objects have those attributes); where they differ every launch takes Triton's public ``fn[grid](...)``.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from triton import knobs
@@ -33,6 +42,11 @@ from triton.runtime.jit import JITFunction
 # bound; the class map has one entry per compiled kernel
 _MAX_ENTRIES = 512
 _I32, _I64 = 1 << 31, 1 << 63
+# the call to the compiled kernel in Triton's JITFunction.run that _launch replays (whitespace collapsed)
+_TRITON_CALL = ("kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, "
+                "launch_metadata, knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, "
+                "*bound_args.values())")
+_replay: bool | None = None  # whether _launch may call compiled kernels directly (decided at the first one)
 
 
 def constexprs(**kwargs) -> tuple:
@@ -56,8 +70,9 @@ def _tensor_key(tensors: tuple) -> tuple | None:
 
 def _classes(scalars: tuple) -> tuple | None:
     """``scalars`` as far as Triton's specialisation tells them apart: each int as 1 (Triton makes it a
-    constant), a multiple of 16 (an alignment hint) or neither, plus its width; floats and bools by type.
-    None if one is of another kind (those take Triton's own path)."""
+    constant), a multiple of 16 (an alignment hint) or neither, plus its width; floats and bools by type;
+    a tuple (a tensor's strides) element by element. None if one is of another kind (those take Triton's
+    own path)."""
     key = []
     for a in scalars:
         kind = type(a)
@@ -66,9 +81,27 @@ def _classes(scalars: tuple) -> tuple | None:
                        + (0 if -_I32 <= a < _I32 else 100 if -_I64 <= a < _I64 else 200))
         elif kind is float or kind is bool:
             key.append(kind)
+        elif kind is tuple:
+            inner = _classes(a)
+            if inner is None:
+                return None
+            key.append(inner)
         else:
             return None
     return tuple(key)
+
+
+def _replay_supported(fn, kernel) -> bool:
+    """Whether the direct launch can replay Triton's own for ``kernel``, the compiled form of ``fn``: Triton
+    launches it with the call in _TRITON_CALL, and the attributes that call and the constexpr lookup read
+    exist."""
+    try:
+        source = " ".join(inspect.getsource(JITFunction.run).split())
+    except (OSError, TypeError):  # no source to read (a frozen or compiled install)
+        return False
+    return (_TRITON_CALL in source and all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata"))
+            and hasattr(fn, "arg_names") and hasattr(getattr(fn, "signature", None), "parameters")
+            and hasattr(driver.active, "get_current_stream"))
 
 
 def _hooked(hook) -> bool:
@@ -112,7 +145,7 @@ def launch(fn, grid: tuple[int, int, int], tensors: tuple, scalars: tuple, optio
     """
     first = next(t for t in tensors if t is not None)
     index = (first if isinstance(first, torch.Tensor) else first.base).get_device()  # -1 on the CPU
-    if index >= 0 and index != driver.active.get_current_device():
+    if index >= 0 and index != torch.cuda.current_device():
         with torch.cuda.device(index):
             _launch(fn, grid, index, tensors, scalars, options)
     else:
@@ -120,9 +153,10 @@ def launch(fn, grid: tuple[int, int, int], tensors: tuple, scalars: tuple, optio
 
 
 def _launch(fn, grid, device: int, tensors: tuple, scalars: tuple, options: tuple) -> None:
+    global _replay
     signature = None
-    if device >= 0 and isinstance(fn, JITFunction) and not (_hooked(knobs.runtime.launch_enter_hook)
-                                                            or _hooked(knobs.runtime.launch_exit_hook)):
+    if device >= 0 and _replay is not False and isinstance(fn, JITFunction) and not (
+            _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)):
         signature = _tensor_key(tensors)  # not under the interpreter, nor with a profiler's launch hooks
     if signature is None:
         fn[grid](*tensors, *scalars, **dict(options))
@@ -143,6 +177,10 @@ def _launch(fn, grid, device: int, tensors: tuple, scalars: tuple, options: tupl
         if launched:
             kwargs = dict(options)
             kernel = fn[grid](*tensors, *scalars, **kwargs)
+            if _replay is None:
+                _replay = _replay_supported(fn, kernel)
+            if not _replay:
+                return
             defaults = fn.signature.parameters
             tail = tuple(kwargs[name] if name in kwargs else defaults[name].default
                          for name in fn.arg_names[len(tensors) + len(scalars):])

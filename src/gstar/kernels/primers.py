@@ -1,4 +1,4 @@
-"""Stage 2 of the nine-stage path: the first Triton kernel, a weighted row sum.
+"""Stage 2 of ``gstar check``: the first Triton kernel, a weighted row sum.
 
 ``weighted_row_sum(x, w)[i] = sum_j x[i, j] * w[j]``. It is also the read-bound probe of ``gstar roofline``:
 it streams ``x`` once and writes almost nothing, so its bandwidth is the card's read ceiling.

@@ -1,11 +1,13 @@
-"""Tile ranges computed inside the kernels: the Triton twins of :func:`gstar.pattern.kv_blocks` and
-:func:`gstar.pattern.q_blocks`, the per-sequence bounds of packed (varlen) inputs, and where the rows of a
-tile that packs several query heads live.
+"""The rule and the tile ranges inside the kernels: :func:`visible`, the Triton twin of
+:meth:`gstar.pattern.Pattern.visible` that every kernel masks with; the twins of
+:func:`gstar.pattern.kv_blocks` and :func:`gstar.pattern.q_blocks`; the per-sequence bounds of packed
+(varlen) inputs; and where the rows of a tile that packs several query heads live.
 
 The kernels work out which blocks a tile visits from a few scalars instead of reading a host-built table:
 with packed sequences the lengths live in ``cu_seqlens`` on the device, and a host table would need them on
 the host (a sync, and a graph break under ``torch.compile``). The Python functions in :mod:`gstar.pattern`
-stay the specification; ``tests/test_ranges.py`` checks these against them tile by tile. Every division
+stay the specification; ``tests/test_ranges.py`` checks these against them, element by element and tile by
+tile. Every division
 here has a non-negative numerator (Triton's integer division truncates towards zero, Python's floors).
 """
 
@@ -13,6 +15,29 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def visible(rows, cols, nq, nk, left, right, sink_tokens,
+            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr):
+    """Whether key ``cols`` is visible to query ``rows`` (broadcastable index blocks, ``0 <= rows < nq`` and
+    ``cols >= 0``): the rule of docs/design.md section 1, as :meth:`gstar.pattern.Pattern.visible` states it;
+    keys past ``nk`` are hidden. ``HAS_LEFT`` / ``HAS_RIGHT``: whether ``left`` / ``right`` bound the window;
+    ``HAS_SINK_TOKENS``: whether keys below ``sink_tokens`` are exempt from the left bound.
+
+    Rows past ``nq`` (the padding of a sequence's last Q tile) are not checked, which saves an operation per
+    score: the forward never stores them, and the backward gives them an infinite LSE, hence zero weight.
+    """
+    ok = cols < nk
+    pos = rows + (nk - nq)  # p(i): queries are the last nq positions of the keys
+    if HAS_RIGHT:
+        ok = ok & (cols <= pos + right)
+    if HAS_LEFT:
+        inside = cols >= pos - left
+        if HAS_SINK_TOKENS:
+            inside = inside | (cols < sink_tokens)
+        ok = ok & inside
+    return ok
 
 
 @triton.jit
