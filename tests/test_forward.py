@@ -11,6 +11,7 @@ import triton
 
 import gstar
 from inputs import make_qkv
+from tiers import grid
 from gstar.accuracy import relative_error, verdict
 from gstar.kernels import attention, attention_forward, configs
 from gstar.kernels.configs import forward_config
@@ -94,8 +95,8 @@ PATTERNS = [
 ]
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("causal,window,sink_tokens", PATTERNS)
+@pytest.mark.parametrize("causal,window,sink_tokens,shape", grid(
+    {f"{'causal' if c else 'nocausal'}-window{w[0]},{w[1]}-tokens{s}": (c, w, s) for c, w, s in PATTERNS}, {"x".join(map(str, s)): (s,) for s in SHAPES}))
 def test_fp32_matches_oracle(shape, causal, window, sink_tokens, device):
     Nq, Nk, D, Hq, Hkv = shape
     q, k, v = make_qkv(1, Hq, Hkv, Nq, Nk, D, torch.float32, device=device)
@@ -247,12 +248,12 @@ def _switch_id(c):
     return f"pack{c['PACK_GQA']}-flat{int(c['FLAT'])}-halves{int(c['HALVES'])}"
 
 
-@pytest.mark.parametrize("switches", SWITCHES, ids=_switch_id)
-@pytest.mark.parametrize("layout,causal,window,sink_tokens,with_sinks,scale", [
-    ("bhnd", True, (-1, -1), 0, True, 0.0),       # a zero scale: uniform weights over the visible keys
-    ("packed", False, (9, 2), 3, False, -0.4),    # a negative scale
-    ("bnhd", False, (-1, -1), 0, True, None),     # no mask bound: Q tiles fastest in the grid
-])
+@pytest.mark.parametrize("switches,layout,causal,window,sink_tokens,with_sinks,scale", grid(
+    {_switch_id(c): (c,) for c in SWITCHES}, {
+        "zero_scale": ("bhnd", True, (-1, -1), 0, True, 0.0),  # uniform weights over the visible keys
+        "negative_scale": ("packed", False, (9, 2), 3, False, -0.4),
+        "no_bound": ("bnhd", False, (-1, -1), 0, True, None),  # Q tiles fastest in the grid
+    }))
 def test_fp32_switches(switches, layout, causal, window, sink_tokens, with_sinks, scale, device):
     """PACK_GQA 4 stacks 4 heads of 4 positions each into a 16-row tile, so tiles span heads and rows (and
     HALVES splits them, 2 heads per half)."""

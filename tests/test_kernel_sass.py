@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "kernel-sass"
+pytestmark = pytest.mark.slow  # compiles for sm_90a: ~30 s on two cores, no kernel path of its own
 
 
 def _run(*args):

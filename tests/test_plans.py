@@ -8,6 +8,7 @@ oracle, and a call served from the caches must give bitwise what the same call g
 on the interpreter (CPU) and on the GPU, where the launch cache also serves the repeats.
 """
 
+import pytest
 import torch
 
 import gstar
@@ -68,6 +69,7 @@ def test_a_repeated_layout_reuses_its_plans(device):
     assert attention._backward_plan.cache_info().hits == hits[1] + 1
 
 
+@pytest.mark.slow
 def test_cached_plans_give_what_fresh_ones_give(device):
     """Each call again, served from the plan caches, against the same call with empty caches (a plan of its
     own, derived afresh): bitwise equal. Two layouts sharing a key would fail here."""

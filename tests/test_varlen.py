@@ -18,6 +18,7 @@ from gstar.kernels import attention_backward, attention_forward
 from gstar.kernels.configs import BackwardConfig
 from gstar.pattern import Pattern
 from gstar.reference import naive_attention, tiled_backward, tiled_forward
+from tiers import grid
 
 
 def _cu(lengths, device="cpu"):
@@ -135,9 +136,8 @@ def test_torch_path_matches_oracle():
         torch.testing.assert_close(lse[:, cq[s]:cq[s + 1]], ref_lse[0], rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("sinks", [False, True], ids=["nosinks", "sinks"])
-@pytest.mark.parametrize("pattern", PATTERNS, ids=list(PATTERNS))
-@pytest.mark.parametrize("lengths", LENGTHS, ids=list(LENGTHS))
+@pytest.mark.parametrize("lengths,pattern,sinks", grid({n: (n,) for n in LENGTHS}, {n: (n,) for n in PATTERNS},
+                                                     {"nosinks": (False,), "sinks": (True,)}))
 def test_triton_equals_per_sequence(lengths, pattern, sinks, device):
     """One launch per pass over every sequence equals one dense call per sequence (GQA 2, padded D)."""
     p = _packed(*LENGTHS[lengths], Hq=4, Hkv=2, D=24, sinks=sinks, device=device)
