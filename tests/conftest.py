@@ -1,9 +1,9 @@
 """Test setup: the Triton interpreter on CPU-only machines, NaN-poisoned kernel outputs, and the tiers.
 
-Tiers: ``pytest`` runs the quick suite (every kernel path, a few minutes on two cores); ``pytest --full``
-adds the tests marked ``slow``; tests marked ``gpu`` run only where CUDA is available.
-
-Both switches must be set before triton or gstar.kernels is imported, which is why they live here.
+The interpreter and the poison must be switched on before triton or gstar.kernels is imported, which is why
+they live here. Tiers: ``pytest`` runs the quick suite (every kernel path, about five minutes on two cores);
+``pytest --full`` adds the tests marked ``slow`` (``tests/tiers.py`` marks most points of large parameter
+grids so); tests marked ``gpu`` run only where CUDA is available.
 """
 
 import os

@@ -132,6 +132,27 @@ def test_triton_on_cpu_tensors_needs_interpreter(monkeypatch):
         gstar.flash_attention(q, k, v, backend="triton")
 
 
+@pytest.mark.parametrize("versions,works", [({"triton": "3.6.0", "numpy": "2.4.1"}, False),
+                                             ({"triton": "3.6.0", "numpy": "2.3.5"}, True),
+                                             ({"triton": "3.7.1", "numpy": "2.4.6"}, True)])
+def test_interpreter_refuses_a_numpy_it_breaks_on(monkeypatch, versions, works):
+    """triton < 3.7's interpreter fails on numpy >= 2.4 with an error about array conversion: the API says
+    what to install instead."""
+    from gstar import api
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(api.importlib.metadata, "version", versions.__getitem__)
+    api._interpreter_problem.cache_clear()
+    try:
+        q, k, v = qkv()
+        if works:
+            assert api._interpreter_problem() is None
+        else:
+            with pytest.raises(RuntimeError, match=r"numpy<2.4' or triton >= 3.7"):
+                gstar.flash_attention(q, k, v, backend="triton")
+    finally:
+        api._interpreter_problem.cache_clear()
+
+
 @pytest.mark.parametrize("shape", [(0, 4, 9, 11), (1, 4, 0, 11), (1, 4, 9, 0)])
 def test_empty_inputs_return_empty_results(shape):
     b, hq, nq, nk = shape

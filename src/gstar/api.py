@@ -8,6 +8,8 @@ receives tensors it can trust and :class:`gstar.ops.Options` built from a normal
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import math
 import numbers
 import os
@@ -42,6 +44,28 @@ def _check_tensor(name: str, t, ndim: int):
         raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
 
 
+@functools.cache
+def _interpreter_problem() -> str | None:
+    """Why the Triton interpreter cannot run here, or None. Triton's interpreter before 3.7 fails on NumPy 2.4
+    and later (it converts 1-element arrays to Python scalars, which NumPy 2.4 refuses): gstar does not pin
+    NumPy for that, since only the interpreter (CPU tests, ``gstar check`` on a CPU) needs it."""
+    try:
+        triton_version = importlib.metadata.version("triton")
+        numpy_version = importlib.metadata.version("numpy")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if _release(triton_version) < (3, 7) and _release(numpy_version) >= (2, 4):
+        return (f"the Triton interpreter of triton {triton_version} fails on numpy {numpy_version}: install "
+                f"'numpy<2.4' or triton >= 3.7 to run the Triton kernels on CPU tensors")
+    return None
+
+
+def _release(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as ``3.6.0`` or ``2.4.0rc1``."""
+    major, minor = (version.split(".") + ["0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
 def _resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
@@ -50,9 +74,13 @@ def _resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> 
     if backend == "triton":
         if dtype not in _FLOATS:
             raise TypeError(f"q, k, v must be float16, bfloat16 or float32 for the Triton backend, got {dtype}")
-        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError("backend='triton' on CPU tensors needs the Triton interpreter: set "
-                               "TRITON_INTERPRET=1 before triton is imported, or use backend='torch'")
+        if device.type == "cpu":
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                raise RuntimeError("backend='triton' on CPU tensors needs the Triton interpreter: set "
+                                   "TRITON_INTERPRET=1 before triton is imported, or use backend='torch'")
+            problem = _interpreter_problem()
+            if problem:
+                raise RuntimeError(problem)
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"backend='triton' needs CUDA (or CPU under the interpreter) tensors, got {device}")
     return backend

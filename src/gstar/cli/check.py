@@ -105,6 +105,12 @@ def run(args) -> int:
     except (ValueError, ImportError, AttributeError) as exc:
         console.print(f"[red]gstar check: cannot load --impl: {escape(str(exc))}")
         return 2
+    if not cuda:
+        from ..api import _interpreter_problem
+        problem = _interpreter_problem()
+        if problem:
+            console.print(f"[red]gstar check: {escape(problem)}")
+            return 2
     env = environment(torch.device(device))
     if cuda:
         console.print(f"gstar check on {escape(env['card'])} (torch {env['torch']}, triton {env['triton']})")
