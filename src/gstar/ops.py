@@ -10,7 +10,7 @@ backward op in the backward graph.
 The public entry points (:mod:`gstar.api`) validate their arguments and call :func:`attention`, which uses
 the operator while ``torch.compile`` traces and the same functions through a plain ``autograd.Function``
 in eager mode: the torch.library autograd dispatch costs more host time per call than a small kernel
-takes on the GPU (benchmarks/NOTES.md, the torch.library operators' host time). Neither path checks its
+takes on the GPU (benchmarks/NOTES.md, 'Operators, the eager autograd path and the engine's thread'). Neither path checks its
 inputs again.
 
 Why ``torch.library.custom_op`` and not ``triton_op``: the launch settings (tile tables, dK/dV split
