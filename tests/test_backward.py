@@ -507,7 +507,7 @@ def test_gpu_descriptor_loads_within_bar(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D", [64, 128, pytest.param(256, marks=pytest.mark.slow)])
 def test_gpu_fp32_ieee(D):
     """float32 inputs on the GPU use IEEE dots (TF32 off by default): relative error < 1e-4."""
     assert not torch.backends.cuda.matmul.allow_tf32
@@ -560,6 +560,7 @@ def _peak_fwd_bwd_bytes(N, D=64):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_gpu_memory_linear_in_n():
     _peak_fwd_bwd_bytes(1024)  # compile outside the measurement
     small, large = _peak_fwd_bwd_bytes(8192), _peak_fwd_bwd_bytes(16384)

@@ -116,6 +116,7 @@ def test_cuda_primers_validation(fn, ndim):
         fn(a, a)
 
 
+@pytest.mark.slow  # nvcc, ~7 s
 def test_cuda_sources_compile(tmp_path):
     """Each kernel source builds standalone for sm_90 with the flags torch's cpp_extension gives nvcc."""
     nvcc = shutil.which("nvcc") or (os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc")
@@ -141,6 +142,7 @@ CUDA_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 @pytest.mark.gpu
+@pytest.mark.slow  # builds the CUDA extension (~20 s), a roofline tool rather than a kernel of gstar's
 @pytest.mark.parametrize("dtype", CUDA_DTYPES)
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 31, 1000, 4097, (1 << 20) + 3])
 def test_vector_add_bitwise(dtype, n):
@@ -156,6 +158,7 @@ def test_vector_add_bitwise(dtype, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", CUDA_DTYPES)
 @pytest.mark.parametrize("shape", [(1, 1), (7, 300), (33, 1025), (64, 8192), (3, 1000), (70_001, 3),
                                    (1000, 24)])
@@ -175,6 +178,7 @@ def test_matrix_add_bitwise(dtype, shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_cuda_primers_empty_and_tall():
     e = torch.empty(0, device="cuda")
     assert cuda_primers.vector_add(e, e).shape == (0,)
