@@ -46,14 +46,17 @@ def _check_tensor(name: str, t, ndim: int):
 
 @functools.cache
 def _interpreter_problem() -> str | None:
-    """Why the Triton interpreter cannot run here, or None. Triton's interpreter before 3.7 fails on NumPy 2.4
-    and later (it converts 1-element arrays to Python scalars, which NumPy 2.4 refuses): gstar does not pin
-    NumPy for that, since only the interpreter (CPU tests, ``gstar check`` on a CPU) needs it."""
+    """Why the Triton interpreter (the kernels on CPU tensors) cannot run here, or None. It needs NumPy, and
+    before triton 3.7 it fails on NumPy 2.4 and later (it converts 1-element arrays to Python scalars, which
+    NumPy 2.4 refuses); gstar does not cap NumPy for every user because of that one pairing."""
     try:
         triton_version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return "the Triton interpreter needs triton: pip install triton"
+    try:
         numpy_version = importlib.metadata.version("numpy")
     except importlib.metadata.PackageNotFoundError:
-        return None
+        return "the Triton interpreter needs numpy: pip install numpy"
     if _release(triton_version) < (3, 7) and _release(numpy_version) >= (2, 4):
         return (f"the Triton interpreter of triton {triton_version} fails on numpy {numpy_version}: install "
                 f"'numpy<2.4' or triton >= 3.7 to run the Triton kernels on CPU tensors")
