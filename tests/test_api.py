@@ -141,16 +141,16 @@ def test_interpreter_refuses_a_numpy_it_breaks_on(monkeypatch, versions, works):
     from gstar import api
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(api.importlib.metadata, "version", versions.__getitem__)
-    api._interpreter_problem.cache_clear()
+    api.interpreter_problem.cache_clear()
     try:
         q, k, v = qkv()
         if works:
-            assert api._interpreter_problem() is None
+            assert api.interpreter_problem() is None
         else:
             with pytest.raises(RuntimeError, match=r"numpy<2.4' or triton >= 3.7"):
                 gstar.flash_attention(q, k, v, backend="triton")
     finally:
-        api._interpreter_problem.cache_clear()
+        api.interpreter_problem.cache_clear()
 
 
 @pytest.mark.parametrize("shape", [(0, 4, 9, 11), (1, 4, 0, 11), (1, 4, 9, 0)])

@@ -45,7 +45,7 @@ def _check_tensor(name: str, t, ndim: int):
 
 
 @functools.cache
-def _interpreter_problem() -> str | None:
+def interpreter_problem() -> str | None:
     """Why the Triton interpreter (the kernels on CPU tensors) cannot run here, or None. It needs NumPy, and
     before triton 3.7 it fails on NumPy 2.4 and later (it converts 1-element arrays to Python scalars, which
     NumPy 2.4 refuses); gstar does not cap NumPy for every user because of that one pairing."""
@@ -81,7 +81,7 @@ def _resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> 
             if os.environ.get("TRITON_INTERPRET") != "1":
                 raise RuntimeError("backend='triton' on CPU tensors needs the Triton interpreter: set "
                                    "TRITON_INTERPRET=1 before triton is imported, or use backend='torch'")
-            problem = _interpreter_problem()
+            problem = interpreter_problem()
             if problem:
                 raise RuntimeError(problem)
         if device.type not in ("cpu", "cuda"):

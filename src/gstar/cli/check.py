@@ -106,8 +106,8 @@ def run(args) -> int:
         console.print(f"[red]gstar check: cannot load --impl: {escape(str(exc))}")
         return 2
     if not cuda:
-        from ..api import _interpreter_problem
-        problem = _interpreter_problem()
+        from ..api import interpreter_problem
+        problem = interpreter_problem()
         if problem:
             console.print(f"[red]gstar check: {escape(problem)}")
             return 2
