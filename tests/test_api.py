@@ -35,7 +35,7 @@ BAD = [
      ValueError, "q head dim (q.shape[-1]) must be >= 1, got 0"),
     ("head dim k", lambda q, k, v: dict(k=k[..., :4]), ValueError, "k head dim"),
     ("head dim k 0", lambda q, k, v: dict(k=k[..., :0]), ValueError, "k head dim must equal q head dim 8, got 0"),
-    ("head dim v", lambda q, k, v: dict(v=v[..., :4]), ValueError, "v head dim"),
+    ("head dim v 0", lambda q, k, v: dict(v=v[..., :0]), ValueError, "v head dim (v.shape[-1]) must be >= 1, got 0"),
     ("dtype mismatch", lambda q, k, v: dict(k=k.half()), TypeError, "share a dtype"),
     ("integer dtype", lambda q, k, v: dict(q=q.int(), k=k.int(), v=v.int()), TypeError, "float16, bfloat16"),
     ("strided last dim", lambda q, k, v: dict(q=torch.randn(1, 4, 9, 16)[..., ::2]), ValueError, "unit stride"),
@@ -69,10 +69,14 @@ def test_bad_input_raises_clear_error(name, change, exc, text):
     assert text in str(info.value), str(info.value)
 
 
-def test_head_dim_limit_for_triton(device):
-    q, k, v = (t.to(device) for t in qkv(d=264))
-    with pytest.raises(ValueError, match="q head dim must be between 1 and 256"):
+def test_head_dim_limits_for_triton(device):
+    """Both head dims are padded to powers of two up to 1024 (latent attention's 576-wide queries fit)."""
+    q, k, v = (t.to(device) for t in qkv(d=1025))
+    with pytest.raises(ValueError, match="q head dim must be between 1 and 1024"):
         gstar.flash_attention(q, k, v, backend="triton")
+    q, k, v = (t.to(device) for t in qkv(d=8))
+    with pytest.raises(ValueError, match="v head dim must be between 1 and 1024 for the Triton backend, got 1025"):
+        gstar.flash_attention(q, k, torch.randn(*v.shape[:3], 1025, device=device), backend="triton")
 
 
 ENTRY_POINTS = {

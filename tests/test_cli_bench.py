@@ -32,7 +32,7 @@ def test_defaults():
     assert cases_from_args(args, "cuda") == suite("gpt-oss")
 
 
-@pytest.mark.parametrize("name", ["stages", "gpt-oss", "long", "fa", "varlen", "all"])
+@pytest.mark.parametrize("name", ["stages", "gpt-oss", "long", "fa", "mla", "varlen", "all"])
 @pytest.mark.parametrize("mode", ["fwd", "bwd", "fwd+bwd"])
 def test_suites_and_modes(name, mode):
     args = parse("--suite", name, "--mode", mode)
@@ -68,7 +68,10 @@ def test_reference_suites_follow_the_design():
         {(64, 8, 64, "bfloat16", True, True)}
     assert {c.window for c in varlen} == {(-1, -1), (127, 0)}
     assert all(len(c.lengths) == 16 and c.tokens == 16384 and min(c.lengths) > 0 for c in varlen)
-    assert len(suite("all")) == sum(len(suite(n)) for n in ("gpt-oss", "long", "fa", "stages", "varlen"))
+    mla = suite("mla")
+    assert {(c.batch, c.seqlen, c.heads, c.kv_heads, c.head_dim, c.dv, c.causal) for c in mla} == \
+        {(2, 4096, 128, 128, 192, 128, True)}
+    assert len(suite("all")) == sum(len(suite(n)) for n in ("gpt-oss", "long", "fa", "mla", "stages", "varlen"))
 
 
 def test_cpu_shrinks_suites_but_keeps_gqa():
@@ -114,11 +117,25 @@ def test_flops_count_the_visible_pairs(n, pattern):
     assert case.flops("bwd") == 2.5 * case.flops("fwd") and case.flops("fwd+bwd") == 3.5 * case.flops("fwd")
 
 
+def test_flops_with_narrower_values():
+    """Per visible pair: Q K^T and P V forward (2 D + 2 Dv); recomputed Q K^T, dO V^T, P^T dO, dS K, dS^T Q
+    backward (6 D + 4 Dv)."""
+    case = Case("t", batch=1, heads=2, kv_heads=2, seqlen=17, head_dim=192, value_dim=128, causal=True)
+    pairs = case.visible_pairs()
+    assert case.flops("fwd") == (2 * 192 + 2 * 128) * pairs
+    assert case.flops("bwd") == (6 * 192 + 4 * 128) * pairs
+    assert case.flops("fwd+bwd") == case.flops("fwd") + case.flops("bwd")
+
+
 def test_bytes_moved_reads_inputs_and_writes_outputs_once():
     c = Case("t", 2, 8, 2, 100, 64, dtype="bfloat16")
     q, kv, rows = 2 * 8 * 100 * 64, 2 * 2 * 100 * 64, 2 * 8 * 100
     assert c.bytes_moved("fwd") == 2 * (2 * q + 2 * kv) + 4 * rows
     assert c.bytes_moved("fwd+bwd") == c.bytes_moved("fwd") + c.bytes_moved("bwd")
+    wide = Case("t", 2, 8, 2, 100, 64, dtype="bfloat16", value_dim=32)
+    q, k, v, o = 2 * 8 * 100 * 64, 2 * 2 * 100 * 64, 2 * 2 * 100 * 32, 2 * 8 * 100 * 32
+    assert wide.bytes_moved("fwd") == 2 * (q + k + v + o) + 4 * rows
+    assert wide.bytes_moved("bwd") == 2 * (2 * (q + k + v) + 2 * o) + 8 * rows
 
 
 @pytest.mark.parametrize("pattern", [dict(causal=True, window=(9, 0), sink_tokens=3), dict(window=(6, 6)), dict()],

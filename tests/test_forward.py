@@ -218,7 +218,7 @@ def test_grid_walks_tiles_fastest_without_mask_bounds(device_type, causal, windo
     assert tiles_fastest(pattern.left >= 0, pattern.right >= 0) == tiles_fastest_rule
     for D in (16, 64, 128):
         shape, stride = (B, Hq, N, D), (Hq * N * D, N * D, D, 1)
-        plan = attention._forward_plan(shape, stride, (B, Hkv, N, D), stride, stride, torch.bfloat16,
+        plan = attention._forward_plan(shape, stride, (B, Hkv, N, D), stride, (B, Hkv, N, D), stride, torch.bfloat16,
                                        torch.device(device_type), pattern, 0.1, None, None, "tf32")
         options = dict(plan.options)
         tiles = triton.cdiv(N, options["BLOCK_M"] // options["PACK"])

@@ -21,7 +21,7 @@ from .pattern import Pattern
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _BACKENDS = ("auto", "triton", "torch")
-MAX_HEAD_DIM = 256  # the Triton kernels pad D to a power of two and keep a (BLOCK_M, D) tile in registers
+MAX_HEAD_DIM = 1024  # the Triton kernels pad D and Dv to powers of two; 1024 holds latent attention's 576
 MAX_SEQLEN = 2**30  # the kernels hold positions in int32: p(i) + right must not overflow
 FAR = MAX_SEQLEN - 1  # a window bound that reaches every key of the longest sequence: wider ones are clamped
 
@@ -98,8 +98,8 @@ def _check_group(q, k, v) -> tuple[int, int]:
         raise ValueError(f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
     if k.shape[-1] != D:
         raise ValueError(f"k head dim must equal q head dim {D}, got {k.shape[-1]}")
-    if v.shape[-1] != D:
-        raise ValueError(f"v head dim must equal q head dim {D} (Dv != D is not supported), got {v.shape[-1]}")
+    if v.shape[-1] == 0:
+        raise ValueError(f"v head dim (v.shape[-1]) must be >= 1, got 0 (v shape {tuple(v.shape)})")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.dtype not in _FLOATS + (torch.float64,):
@@ -112,14 +112,17 @@ def _check_group(q, k, v) -> tuple[int, int]:
     return Hq, D
 
 
-def _check_options(q, Hq: int, D: int, *, causal, window, sink_tokens, sinks, scale, backend, return_lse):
+def _check_options(q, Hq: int, D: int, Dv: int, *, causal, window, sink_tokens, sinks, scale, backend, return_lse):
     """Validate the keyword arguments every entry point shares.
 
     Returns ``(window, sink_tokens, scale, backend)`` as plain ints, a float and a resolved backend name.
     """
     backend = _resolve_backend(backend, q.device, q.dtype)
-    if backend == "triton" and not 1 <= D <= MAX_HEAD_DIM:
-        raise ValueError(f"q head dim must be between 1 and {MAX_HEAD_DIM} for the Triton backend, got {D}")
+    if backend == "triton":
+        for name, d in (("q", D), ("v", Dv)):
+            if not 1 <= d <= MAX_HEAD_DIM:
+                raise ValueError(f"{name} head dim must be between 1 and {MAX_HEAD_DIM} for the Triton backend, "
+                                 f"got {d}")
     _check_bool("causal", causal)
     _check_bool("return_lse", return_lse)
     if (not isinstance(window, (tuple, list)) or len(window) != 2
@@ -164,7 +167,7 @@ def normalize(q, k, v, *, causal, window, sink_tokens, sinks, scale, backend, re
         raise ValueError(f"k and v must have the same (heads, seqlen): k {tuple(k.shape)}, v {tuple(v.shape)}")
     Hq, D = _check_group(q, k, v)
     window, sink_tokens, scale, backend = _check_options(
-        q, Hq, D, causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks, scale=scale,
+        q, Hq, D, v.shape[-1], causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks, scale=scale,
         backend=backend, return_lse=return_lse)
     pattern = Pattern.make(q.shape[2], k.shape[2], causal=causal, window=window, sink_tokens=sink_tokens)
     return ops.Options(pattern, scale, backend)
@@ -288,7 +291,7 @@ def normalize_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         if m > MAX_SEQLEN:
             raise ValueError(f"{name} must be <= {MAX_SEQLEN} (positions are int32 in the kernels), got {m}")
     window, sink_tokens, scale, backend = _check_options(
-        q, Hq, D, causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks, scale=scale,
+        q, Hq, D, v.shape[-1], causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks, scale=scale,
         backend=backend, return_lse=return_lse)
     _check_bool("check_cu_seqlens", check_cu_seqlens)
     if check_cu_seqlens and not (torch.compiler.is_compiling() or _capturing(q.device)):

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from . import reference
-from .buffers import empty_like, empty_packed_like
+from .buffers import empty_like, empty_packed_like, layout_like
 from .pattern import Pattern
 
 
@@ -37,7 +37,7 @@ class Inputs(NamedTuple):
 
     q: torch.Tensor                          # (B, Hq, Nq, D), or packed (total_q, Hq, D)
     k: torch.Tensor                          # (B, Hkv, Nk, D), or packed (total_k, Hkv, D)
-    v: torch.Tensor                          # like k
+    v: torch.Tensor                          # (B, Hkv, Nk, Dv), or packed (total_k, Hkv, Dv)
     sinks: torch.Tensor | None               # (Hq,) learned sink logits, any float dtype
     cu_seqlens_q: torch.Tensor | None        # (num_seqs + 1,) int32 when packed, else None
     cu_seqlens_k: torch.Tensor | None
@@ -99,10 +99,11 @@ def _packed(x: torch.Tensor) -> torch.Tensor:
     return x[0].transpose(0, 1)
 
 
-def _empty_result(q: torch.Tensor, sinks: torch.Tensor | None, packed: bool):
-    """``(out, lse)`` of a heads-first q when no row sees a key: zeros, and ``-inf`` or the sink logit."""
+def _empty_result(q: torch.Tensor, width: int, sinks: torch.Tensor | None, packed: bool):
+    """``(out, lse)`` of a heads-first q when no row sees a key: zeros ``width`` (Dv) columns wide, and
+    ``-inf`` or the sink logit."""
     B, Hq, Nq, _ = q.shape
-    out = (empty_packed_like if packed else empty_like)(q).zero_()                  # q's shape
+    out = (empty_packed_like if packed else empty_like)(q, width=width).zero_()     # (B, Hq, Nq, Dv)
     lse = torch.full((B, Hq, Nq), -torch.inf, dtype=_stat(q.dtype), device=q.device)
     if sinks is not None:
         lse.copy_(sinks.view(1, Hq, 1).expand(B, Hq, Nq))
@@ -110,14 +111,14 @@ def _empty_result(q: torch.Tensor, sinks: torch.Tensor | None, packed: bool):
 
 
 def _forward(inputs: Inputs, options: Options) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns out, q's shape and dtype (dense: q's memory layout; packed: contiguous), and lse, (B, Hq, Nq)
-    or packed (Hq, total_q), float32 (float64 for float64 inputs)."""
+    """Returns out, q's shape with v's head dim Dv and q's dtype (dense: q's memory layout; packed:
+    contiguous), and lse, (B, Hq, Nq) or packed (Hq, total_q), float32 (float64 for float64 inputs)."""
     q, k, v, sinks, cu_q, cu_k = inputs
     packed = cu_q is not None
     if packed:
         q, k, v = (_heads_first(t) for t in (q, k, v))                              # (1, H, total, D)
     if q.shape[0] * q.shape[2] == 0 or k.shape[2] == 0 or (packed and cu_q.shape[0] < 2):
-        out, lse = _empty_result(q, sinks, packed)
+        out, lse = _empty_result(q, v.shape[-1], sinks, packed)
     else:
         forward_fn, _ = _backend_fns(options.backend)
         out, lse = forward_fn(q, k, v, _stat_sinks(sinks, q), options.pattern, options.scale,
@@ -133,7 +134,7 @@ def _backward(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dlse: to
     q, k, v, sinks, cu_q, cu_k = inputs
     packed = cu_q is not None
     if packed:
-        dout, q, k, v, out = (_heads_first(t) for t in (dout, q, k, v, out))        # (1, H, total, D)
+        dout, q, k, v, out = (_heads_first(t) for t in (dout, q, k, v, out))        # (1, H, total, D or Dv)
         lse, dlse = lse[None], None if dlse is None else dlse[None]                   # (1, Hq, total_q)
     _, backward_fn = _backend_fns(options.backend)
     dq, dk, dv, dsinks = backward_fn(dout, q, k, v, out, lse, dlse, _stat_sinks(sinks, q), options.pattern,
@@ -171,11 +172,11 @@ backward_op = torch.library.custom_op(
 @forward_op.register_fake
 def _(*args):
     inputs, _ = _named(args)
-    q = inputs.q
+    q, Dv = inputs.q, inputs.v.shape[-1]
     if inputs.cu_seqlens_q is None:
         B, Hq, Nq, _ = q.shape
-        return torch.empty_like(q), q.new_empty((B, Hq, Nq), dtype=_stat(q.dtype))
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=_stat(q.dtype))
+        return layout_like(q, width=Dv), q.new_empty((B, Hq, Nq), dtype=_stat(q.dtype))
+    return q.new_empty((*q.shape[:-1], Dv)), q.new_empty((q.shape[1], q.shape[0]), dtype=_stat(q.dtype))
 
 
 @backward_op.register_fake

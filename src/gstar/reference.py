@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .buffers import empty_packed_like
+from .buffers import empty_packed_like, layout_like
 from .pattern import Pattern, kv_block_table
 
 
@@ -98,13 +98,15 @@ def _sequences(cu_seqlens, pattern: Pattern):
 def tiled_forward(q, k, v, sinks, pattern: Pattern, scale: float, tile: int | None = None, *, cu_seqlens=None):
     """Online-softmax forward over tiles. Shapes as in :func:`gstar.kernels.attention_forward`.
 
-    q: (B, Hq, Nq, D), k, v: (B, Hkv, Nk, D), sinks: None or (Hq,). Returns out (q's dtype and layout) and
-    lse (B, Hq, Nq) in float32 (float64 for float64 inputs). With ``cu_seqlens`` (packed heads-first
-    views, B = 1) each sequence runs on its own and out is a view of a contiguous packed tensor.
+    q: (B, Hq, Nq, D), k: (B, Hkv, Nk, D), v: (B, Hkv, Nk, Dv), sinks: None or (Hq,). Returns out
+    (B, Hq, Nq, Dv) (q's dtype and layout) and lse (B, Hq, Nq) in float32 (float64 for float64 inputs).
+    With ``cu_seqlens`` (packed heads-first views, B = 1) each sequence runs on its own and out is a view
+    of a contiguous packed tensor.
     """
     B, Hq, Nq, D = q.shape
+    Dv = v.shape[-1]
     if cu_seqlens is not None:
-        out = empty_packed_like(q)
+        out = empty_packed_like(q, width=Dv)
         lse = torch.empty((1, Hq, Nq), dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
         for rows, keys, p in _sequences(cu_seqlens, pattern):
             out[:, :, rows], lse[:, :, rows] = tiled_forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], sinks,
@@ -113,7 +115,7 @@ def tiled_forward(q, k, v, sinks, pattern: Pattern, scale: float, tile: int | No
     Hkv = k.shape[1]
     tile = tile or _default_tile(q)
     stat = torch.promote_types(q.dtype, torch.float32)
-    out = torch.empty_like(q)
+    out = layout_like(q, width=Dv)                                          # (B, Hq, Nq, Dv)
     lse = torch.empty((B, Hq, Nq), dtype=stat, device=q.device)
     for r0, blocks in _tiles(pattern, tile):
         rows = slice(r0, min(r0 + tile, Nq))
@@ -123,7 +125,7 @@ def tiled_forward(q, k, v, sinks, pattern: Pattern, scale: float, tile: int | No
         if sinks is not None:  # the sink is a key with logit sinks[h] and no value
             m = m.clone().copy_(sinks.to(stat).view(1, Hkv, -1, 1).expand_as(m))
             den.fill_(1.0)
-        acc = torch.zeros_like(q_t)                                          # (B, Hkv, G, bm, D)
+        acc = q_t.new_zeros((*q_t.shape[:-1], Dv))                           # (B, Hkv, G, bm, Dv)
         for b, masked in blocks:
             s, keys = _scores(pattern, q_t, k, r0, b, masked, scale, tile)
             m_new = torch.maximum(m, s.amax(dim=-1))
@@ -144,7 +146,8 @@ def tiled_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale
                    tile: int | None = None, *, cu_seqlens=None):
     """Backward that recomputes probabilities tile by tile from ``lse``. Returns (dq, dk, dv, dsinks).
 
-    dK/dV are accumulated per kv head (summed over its query-head group) in one (B, Hkv, Nk, D) buffer.
+    dout, out: (B, Hq, Nq, Dv); the other tensors as in :func:`tiled_forward`. dK/dV are accumulated per kv
+    head (summed over its query-head group) in (B, Hkv, Nk, D) and (B, Hkv, Nk, Dv) buffers.
     Gradients keep their input's layout (packed ones, with ``cu_seqlens``, are views of contiguous tensors).
     """
     B, Hq, Nq, D = q.shape
@@ -168,11 +171,11 @@ def tiled_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale
     lse_safe = torch.where(torch.isinf(lse), math.inf, lse).to(stat)        # empty rows: P = exp(-inf) = 0
     dq = torch.empty_like(q)
     dk = torch.zeros(k.shape, dtype=stat, device=k.device)                  # (B, Hkv, Nk, D)
-    dv = torch.zeros(v.shape, dtype=stat, device=v.device)
+    dv = torch.zeros(v.shape, dtype=stat, device=v.device)                  # (B, Hkv, Nk, Dv)
     for r0, blocks in _tiles(pattern, tile):
         rows = slice(r0, min(r0 + tile, Nq))
         q_t = q[:, :, rows].unflatten(1, (Hkv, -1)).to(stat)                # (B, Hkv, G, bm, D)
-        do_t = dout[:, :, rows].unflatten(1, (Hkv, -1)).to(stat)
+        do_t = dout[:, :, rows].unflatten(1, (Hkv, -1)).to(stat)            # (B, Hkv, G, bm, Dv)
         lse_t = lse_safe[:, :, rows].unflatten(1, (Hkv, -1))[..., None]     # (B, Hkv, G, bm, 1)
         delta_t = delta[:, :, rows].unflatten(1, (Hkv, -1))[..., None]
         dq_t = torch.zeros_like(q_t)

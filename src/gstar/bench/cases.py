@@ -2,9 +2,9 @@
 
 A :class:`Case` is one attention problem (self-attention, ``Nq == Nk``): a batch of equal lengths, or packed
 documents of several lengths (the ``varlen`` suite, docs/design.md section 2). Its FLOPs count only the visible
-``(i, j)`` pairs of its pattern (``4 * B * Hq * D * pairs`` forward: two matmuls of ``2 * D`` FLOPs per pair;
-the backward does five such matmuls, 2.5x the forward), so a windowed kernel is not credited for work it
-rightly skips. ``bytes_moved`` is the least HBM traffic any implementation needs (read the inputs once,
+``(i, j)`` pairs of its pattern (forward: ``2 * B * Hq * (D + Dv) * pairs``, the products ``Q K^T`` and ``P V``;
+the backward's five products take ``2 * (3 D + 2 Dv)`` per pair, 2.5x the forward when ``Dv = D``), so a
+windowed kernel is not credited for work it rightly skips. ``bytes_moved`` is the least HBM traffic any implementation needs (read the inputs once,
 write the outputs once): the memory floor of the roofline.
 """
 
@@ -20,7 +20,9 @@ import torch
 from ..pattern import Pattern
 
 MODES = ("fwd", "bwd", "fwd+bwd")
-FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
+# the products each mode runs per visible pair, as (multiples of D, multiples of Dv): the forward's Q K^T and
+# P V; the backward's recomputed Q K^T, dO V^T, P^T dO, dS K and dS^T Q
+_PRODUCTS = {"fwd": (1, 1), "bwd": (3, 2), "fwd+bwd": (4, 3)}
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "float32": torch.float32, "fp32": torch.float32}
 _SHORT_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -28,10 +30,12 @@ _SHORT_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
 
 @dataclass(frozen=True)
 class Case:
-    """One benchmark problem: ``q (B, Hq, N, D)``, ``k, v (B, Hkv, N, D)``, a pattern, a dtype.
+    """One benchmark problem: ``q (B, Hq, N, D)``, ``k (B, Hkv, N, D)``, ``v (B, Hkv, N, Dv)``, a pattern, a
+    dtype; ``value_dim`` is Dv (None: D).
 
     A packed case (``lengths`` given) holds ``B = len(lengths)`` documents as ``q (total, Hq, D)``,
-    ``k, v (total, Hkv, D)``; ``seqlen`` is the longest document, the length of the padded batch.
+    ``k (total, Hkv, D)``, ``v (total, Hkv, Dv)``; ``seqlen`` is the longest document, the length of the
+    padded batch.
     """
 
     family: str
@@ -46,6 +50,7 @@ class Case:
     sinks: bool = False
     dtype: str = "bfloat16"
     lengths: tuple[int, ...] = ()
+    value_dim: int | None = None
 
     def __post_init__(self):
         if self.lengths and (self.batch, self.seqlen) != (len(self.lengths), max(self.lengths)):
@@ -55,6 +60,11 @@ class Case:
     @property
     def packed(self) -> bool:
         return bool(self.lengths)
+
+    @property
+    def dv(self) -> int:
+        """The value head dim Dv."""
+        return self.value_dim or self.head_dim
 
     @property
     def tokens(self) -> int:
@@ -100,7 +110,8 @@ class Case:
     def series(self) -> str:
         """Everything but batch and length: the line a case belongs to in a plot against sequence length."""
         heads = f"H{self.heads}" if self.kv_heads == self.heads else f"H{self.heads}/{self.kv_heads}"
-        return f"{heads} D{self.head_dim} {self.mask_label} {_SHORT_DTYPE[self.torch_dtype]}"
+        dims = f"D{self.head_dim}" if self.dv == self.head_dim else f"D{self.head_dim}/{self.dv}"
+        return f"{heads} {dims} {self.mask_label} {_SHORT_DTYPE[self.torch_dtype]}"
 
     @property
     def label(self) -> str:
@@ -116,16 +127,17 @@ class Case:
 
     def flops(self, mode: str) -> float:
         """FLOPs of ``mode`` over the visible pairs only."""
-        return 4.0 * self.head_dim * self.visible_pairs() * FLOP_FACTOR[mode]
+        of_d, of_dv = _PRODUCTS[mode]
+        return 2.0 * (of_d * self.head_dim + of_dv * self.dv) * self.visible_pairs()
 
     def bytes_moved(self, mode: str) -> int:
         """The least HBM traffic of ``mode``: each input read once, each output written once."""
         esize = torch.finfo(self.torch_dtype).bits // 8
-        q_elems = self.tokens * self.heads * self.head_dim
-        kv_elems = self.tokens * self.kv_heads * self.head_dim
+        q_elems, o_elems = (self.tokens * self.heads * d for d in (self.head_dim, self.dv))
+        k_elems, v_elems = (self.tokens * self.kv_heads * d for d in (self.head_dim, self.dv))
         rows = self.tokens * self.heads
-        fwd = esize * (2 * q_elems + 2 * kv_elems) + 4 * rows           # q, k, v in; out, lse out
-        bwd = esize * (4 * q_elems + 4 * kv_elems) + 8 * rows           # q k v out dout lse in; dq dk dv out
+        fwd = esize * (q_elems + k_elems + v_elems + o_elems) + 4 * rows     # q, k, v in; out, lse out
+        bwd = esize * (2 * (q_elems + k_elems + v_elems) + 2 * o_elems) + 8 * rows  # q k v out dout lse in; dq dk dv
         return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
 
     def as_dict(self) -> dict:
@@ -162,6 +174,8 @@ SUITES = {
     "gpt-oss": lambda: _gpt_oss("gpt-oss", 2, 4096),
     "long": lambda: _gpt_oss("long", 1, 8192) + _gpt_oss("long", 1, 32768),
     "fa": lambda: [Case("fa", 4, 16, 16, 8192, 128, causal=c) for c in (False, True)],
+    # multi-head latent attention's training shape (DeepSeek-V3): queries and keys 192 wide, values 128
+    "mla": lambda: [Case("mla", 2, 128, 128, 4096, 192, causal=True, value_dim=128)],
     "stages": lambda: [
         Case("stages", kv_heads=16, **_STAGES),                                        # stage 3
         Case("stages", kv_heads=16, causal=True, **_STAGES),                           # stage 4
@@ -205,11 +219,11 @@ def for_cpu(case: Case) -> Case:
                                dtype="float32", **rows)
 
 
-def custom(seqlens, *, batch=1, heads=16, kv_heads=None, head_dim=64, causal=False, window=(-1, -1),
-           sink_tokens=0, sinks=False, dtype="bfloat16") -> list[Case]:
+def custom(seqlens, *, batch=1, heads=16, kv_heads=None, head_dim=64, value_dim=None, causal=False,
+           window=(-1, -1), sink_tokens=0, sinks=False, dtype="bfloat16") -> list[Case]:
     """One ``custom`` case per sequence length, from the shape flags of ``gstar bench``."""
     kv_heads = heads if kv_heads is None else kv_heads
     if heads % kv_heads:
         raise ValueError(f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})")
     return [Case("custom", batch, heads, kv_heads, n, head_dim, causal=causal, window=tuple(window),
-                 sink_tokens=sink_tokens, sinks=sinks, dtype=dtype) for n in seqlens]
+                 sink_tokens=sink_tokens, sinks=sinks, dtype=dtype, value_dim=value_dim) for n in seqlens]

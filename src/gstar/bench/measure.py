@@ -33,18 +33,19 @@ MIN_PIECE_ROWS = 64  # the oracle's smallest piece of query rows
 def make_inputs(case: Case, device, *, seed: int = 0) -> dict:
     """``q, k, v`` (and ``sinks``, ``dout``) for ``case``: standard normal, the same for every implementation.
 
-    q: (B, Hq, N, D), k, v: (B, Hkv, N, D) in the case's dtype; sinks: (Hq,) float32 or None;
-    dout: (B, Hq, N, D), the upstream gradient of the backward modes. A packed case's tensors are
-    (total, H, D) instead.
+    q: (B, Hq, N, D), k: (B, Hkv, N, D), v: (B, Hkv, N, Dv) in the case's dtype; sinks: (Hq,) float32 or
+    None; dout: (B, Hq, N, Dv), the upstream gradient of the backward modes. A packed case's tensors are
+    (total, H, D or Dv) instead.
     """
     g = torch.Generator(device=device).manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=g, device=device, dtype=torch.float32)  # noqa: E731
 
-    def tokens(heads):  # (B, H, N, D), or (total, H, D) packed
+    def tokens(heads, width):  # (B, H, N, width), or (total, H, width) packed
         shape = (case.tokens, heads) if case.packed else (case.batch, heads, case.seqlen)
-        return rand(*shape, case.head_dim).to(case.torch_dtype)
-    return {"q": tokens(case.heads), "k": tokens(case.kv_heads), "v": tokens(case.kv_heads),
-            "sinks": rand(case.heads) if case.sinks else None, "dout": tokens(case.heads)}
+        return rand(*shape, width).to(case.torch_dtype)
+    return {"q": tokens(case.heads, case.head_dim), "k": tokens(case.kv_heads, case.head_dim),
+            "v": tokens(case.kv_heads, case.dv), "sinks": rand(case.heads) if case.sinks else None,
+            "dout": tokens(case.heads, case.dv)}
 
 
 _BUDGET_RULE = "a quarter of the free GPU memory, at most 4 GiB; 512 MiB on CPU"
@@ -90,11 +91,11 @@ def _dense(case: Case, inputs: dict, dtype: torch.dtype, grads: bool) -> dict:
     rowwise = prefix or (p.left < 0 and p.right < 0)
     row_step = min(Nq, rows_fit) if (kv_step == 1 and rowwise) else Nq
     acc = torch.promote_types(dtype, torch.float32)  # dk, dv, dsinks sum over pieces
-    out = torch.empty(B, Hq, Nq, D, dtype=dtype, device=q.device)
+    out = torch.empty(B, Hq, Nq, v.shape[-1], dtype=dtype, device=q.device)                  # (B, Hq, Nq, Dv)
     if grads:
-        dq = torch.empty_like(out)
-        dk = torch.zeros(B, Hkv, Nk, D, dtype=acc, device=q.device)
-        dv = torch.zeros_like(dk)
+        dq = torch.empty(q.shape, dtype=dtype, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=q.device)
         dsinks = None if sinks is None else torch.zeros(Hq, dtype=acc, device=q.device)
     for b in range(B):
         for g0 in range(0, Hkv, kv_step):

@@ -1,11 +1,12 @@
 """One adapter per implementation that ``gstar bench`` compares (docs/design.md section 5), all fed the same
-``(B, H, N, D)`` inputs.
+``(B, H, N, D)`` inputs (values ``Dv`` wide).
 
 An adapter says why it cannot run here at all (:meth:`Peer.unavailable`: not importable, needs CUDA) or
 cannot express a case (:meth:`Peer.unsupported`: learned sinks, sink tokens, a window ...); the benchmark
 shows that reason as an ``n/a`` row instead of dropping the peer. :meth:`Peer.build` does all setup
 (compilation, block masks, dense masks) outside the timed region and returns ``fn(q, k, v, sinks) -> out``
-with ``q: (B, Hq, N, D)``, ``k, v: (B, Hkv, N, D)``, ``sinks: (Hq,) float32 or None``, ``out: (B, Hq, N, D)``.
+with ``q: (B, Hq, N, D)``, ``k: (B, Hkv, N, D)``, ``v: (B, Hkv, N, Dv)``, ``sinks: (Hq,) float32 or None``,
+``out: (B, Hq, N, Dv)``.
 Peers whose native layout is ``(B, N, H, D)`` receive transposed views of ``(B, N, H, D)``-contiguous
 tensors (``layout = "bnhd"``), so no copy happens inside the timed call. A packed case (the ``varlen`` suite)
 has rows for gstar on the packed tokens and for gstar on the same documents padded into a batch
@@ -153,7 +154,7 @@ class Eager(Peer):
                 scores = torch.cat([scores, sink_col], dim=-1)           # (B, H, N, N + 1)
             scores = scores - scores.amax(dim=-1, keepdim=True)          # as HF does, before its softmax
             probs = torch.softmax(scores, dim=-1, dtype=scores.dtype)
-            return probs[..., :N] @ v                                    # (B, H, N, D)
+            return probs[..., :N] @ v                                    # (B, H, N, Dv)
         return eager
 
 
@@ -173,6 +174,8 @@ class Sdpa(Peer):
             return "no sink tokens"
         if self.backend == "flash" and case.torch_dtype == torch.float32:
             return "fp16/bf16 only"
+        if self.backend == "flash" and case.dv != case.head_dim:
+            return "equal head dims only"
         return _window_or_causal_only(case)
 
     def build(self, case, device):

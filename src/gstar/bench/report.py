@@ -78,7 +78,7 @@ def write_json(path: str, payload: dict) -> None:
         f.write("\n")
 
 
-CSV_CASE_FIELDS = ("family", "batch", "heads", "kv_heads", "seqlen", "head_dim", "causal", "window_left",
+CSV_CASE_FIELDS = ("family", "batch", "heads", "kv_heads", "seqlen", "head_dim", "value_dim", "causal", "window_left",
                    "window_right", "sink_tokens", "sinks", "dtype", "lengths")
 CSV_ROW_FIELDS = ("impl", "status", "reason", "time_ms", "tflops", "peak_mib", "vs_gstar", "max_error",
                   "memory_floor_ms", "compute_floor_ms", "bound", "floor_pct")

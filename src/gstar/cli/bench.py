@@ -24,8 +24,8 @@ import sys
 from ..bench.cases import DTYPES, MODES, SUITE_NAMES
 from ..bench.peers import PEER_NAMES
 
-_SHAPE_FLAGS = ("batch", "heads", "kv_heads", "seqlen", "head_dim", "window", "sink_tokens", "sinks", "causal",
-                "dtype")
+_SHAPE_FLAGS = ("batch", "heads", "kv_heads", "seqlen", "head_dim", "value_dim", "window", "sink_tokens", "sinks",
+                "causal", "dtype")
 
 
 def _impl_list(text: str) -> list[str]:
@@ -58,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
     shape.add_argument("--seqlen", type=int, nargs="+", action="extend", metavar="N",
                        help="sequence length(s); repeat or list several (default 1024)")
-    shape.add_argument("--head-dim", type=int, help="head dimension (default 64)")
+    shape.add_argument("--head-dim", type=int, help="head dimension of queries and keys (default 64)")
+    shape.add_argument("--value-dim", type=int, help="head dimension of values (default: --head-dim)")
     shape.add_argument("--window", type=int, nargs=2, metavar=("LEFT", "RIGHT"),
                        help="sliding window, inclusive, -1 = unbounded (GPT-OSS: 127 0)")
     shape.add_argument("--sink-tokens", type=int, help="first keys exempt from the window's left bound")
@@ -89,7 +90,8 @@ def cases_from_args(args, device_type: str):
     if _custom(args):
         dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(args.dtype, args.dtype)
         return cases.custom(args.seqlen or [1024], batch=args.batch or 1, heads=args.heads or 16,
-                            kv_heads=args.kv_heads, head_dim=args.head_dim or 64, causal=bool(args.causal),
+                            kv_heads=args.kv_heads, head_dim=args.head_dim or 64, value_dim=args.value_dim,
+                            causal=bool(args.causal),
                             window=tuple(args.window or (-1, -1)), sink_tokens=args.sink_tokens or 0,
                             sinks=bool(args.sinks), dtype=dtype or "bfloat16")
     chosen = cases.suite(args.suite)

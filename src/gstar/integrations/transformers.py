@@ -99,7 +99,7 @@ def _rows_first(x):
 
 
 def _padded(q, k, v, mask, **opts):
-    """Padded batch: q (B, Hq, Nq, D), k, v (B, Hkv, Nk, D), mask (B, Nk) -> (B, Nq, Hq, D)."""
+    """Padded batch: q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), mask (B, Nk) -> (B, Nq, Hq, Dv)."""
     B, _, Nq, _ = q.shape
     if mask.shape[1] < k.shape[2]:
         # a static cache allocates keys past the mask: those slots hold nothing yet
@@ -122,7 +122,7 @@ def _padded(q, k, v, mask, **opts):
     # offsets built from the mask are valid by construction: no per-layer check (a device sync)
     out = flash_attention_varlen(unpad(_rows_first(q), idx_q), unpad(_rows_first(k), idx_k),
                                  unpad(_rows_first(v), idx_k), cu_q, cu_k, max_q, max_k, check_cu_seqlens=False,
-                                 **opts)  # (total_q, Hq, D)
+                                 **opts)  # (total_q, Hq, Dv)
     return pad(out, idx_q, B, Nq)
 
 
@@ -139,12 +139,12 @@ def _packing_plan(position_ids, batch: int):
 
 
 def _packed(q, k, v, cu_q, cu_k, max_q, max_k, **opts):
-    """Flattened batch: q (B, Hq, Nq, D), k, v (B, Hkv, Nk, D), documents by cu_seqlens -> (B, Nq, Hq, D).
-    The offsets are the plan's, checked (or built) once per batch: no per-layer check."""
-    B, Hq, Nq, D = q.shape
-    flat = [_rows_first(x).reshape(-1, x.shape[1], D) for x in (q, k, v)]  # (B * N, H, D)
+    """Flattened batch: q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), documents by cu_seqlens ->
+    (B, Nq, Hq, Dv). The offsets are the plan's, checked (or built) once per batch: no per-layer check."""
+    B, Hq, Nq, _ = q.shape
+    flat = [_rows_first(x).reshape(-1, x.shape[1], x.shape[3]) for x in (q, k, v)]  # (B * N, H, D or Dv)
     out = flash_attention_varlen(*flat, cu_q, cu_k, max_q, max_k, check_cu_seqlens=False, **opts)
-    return out.view(B, Nq, Hq, D)
+    return out.view(B, Nq, Hq, v.shape[3])
 
 
 def _max_length(given, cu):
@@ -172,7 +172,8 @@ def gstar_attention_forward(module, query, key, value, attention_mask, scaling=N
 
     Args:
         module: the attention module (reads ``training`` and ``is_causal``, default True).
-        query: ``(B, Hq, Nq, D)``; key, value: ``(B, Hkv, Nk, D)`` with ``Hq % Hkv == 0``.
+        query: ``(B, Hq, Nq, D)``; key: ``(B, Hkv, Nk, D)``; value: ``(B, Hkv, Nk, Dv)`` (e.g. latent attention's
+            128-wide values under 192-wide queries) with ``Hq % Hkv == 0``.
         attention_mask: ``None`` or the ``(B, Nk)`` padding mask from the ``"gstar"`` mask function.
         scaling: multiplies ``q . k`` (default ``D ** -0.5``).
         dropout: must be 0 while the module trains (gstar has no attention dropout).
@@ -193,12 +194,6 @@ def gstar_attention_forward(module, query, key, value, attention_mask, scaling=N
         raise ValueError(f"gstar attention takes no {attention_mask.dim()}-D custom attention mask (only the "
                          f"2-D padding mask): it expresses causal, sliding-window, padding and packing masks "
                          f"itself; use attn_implementation='eager' for arbitrary masks")
-    D, Dv = query.shape[-1], value.shape[-1]
-    if Dv > D:
-        raise ValueError(f"gstar attention needs value head dim <= query head dim, got {Dv} > {D}")
-    if Dv < D:
-        # e.g. MLA's smaller value heads: zero columns add nothing to the output, which is cropped below
-        value = torch.nn.functional.pad(value, (0, D - Dv))
     opts = dict(causal=causal, window=window, sinks=s_aux, scale=scaling)
 
     if attention_mask is not None:
@@ -232,7 +227,7 @@ def gstar_attention_forward(module, query, key, value, attention_mask, scaling=N
         else:
             cu, longest = plan
             out = _packed(query, key, value, cu, cu, longest, longest, **opts)
-    return (out if Dv == D else out[..., :Dv]), None
+    return out, None
 
 
 def gstar_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offset=0, mask_function=None,

@@ -44,16 +44,16 @@ class _ForwardPlan(NamedTuple):
 
 
 @functools.lru_cache(maxsize=256)
-def _forward_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tuple, v_stride: tuple,
-                  dtype: torch.dtype, device: torch.device, pattern: Pattern, scale: float, seqs: int | None,
-                  config: tuple | None, precision: str) -> _ForwardPlan:
+def _forward_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tuple, v_shape: tuple,
+                  v_stride: tuple, dtype: torch.dtype, device: torch.device, pattern: Pattern, scale: float,
+                  seqs: int | None, config: tuple | None, precision: str) -> _ForwardPlan:
     """The launch of one layout (shapes, strides, dtype, pattern; ``seqs``: the number of packed sequences,
     None for a dense batch; ``config``: the caller's overrides as sorted items). A cache hit costs a few
     us, where deriving the launch costs tens at every call, more than a small layer's GPU time."""
     B, Hq, Nq, D = q_shape
-    Hkv, Nk = k_shape[1], k_shape[2]
+    Hkv, Nk, Dv = k_shape[1], k_shape[2], v_shape[3]
     varlen = seqs is not None
-    cfg = forward_config(D, dtype, pattern, device, group=Hq // Hkv)
+    cfg = forward_config(D, dtype, pattern, device, group=Hq // Hkv, value_dim=Dv)
     cfg.update(config or ())
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     pack = math.gcd(cfg["PACK_GQA"], Hq // Hkv, block_m)
@@ -67,7 +67,7 @@ def _forward_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tup
         ((0 if varlen else Hq * Nq, Nq), Hq // Hkv, Nq, Nk, pattern.left, pattern.right, pattern.sink_tokens,
          scale * LOG2E),
         constexprs(
-            HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, PACK=pack, HAS_LEFT=has_left, HAS_RIGHT=has_right,
+            HEAD_DIM=D, VALUE_DIM=Dv, BLOCK_M=block_m, BLOCK_N=block_n, PACK=pack, HAS_LEFT=has_left, HAS_RIGHT=has_right,
             HAS_SINK_TOKENS=pattern.sink_tokens > 0, FLAT=bool(cfg["FLAT"]), HALVES=bool(cfg["HALVES"]),
             PRECISION=precision, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
 
@@ -76,9 +76,10 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
                       cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Attention forward on validated inputs; returns ``(out, lse)``.
 
-    Dense: q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D); pattern: the normalised :class:`Pattern` of the
-    batch. Packed (``cu_seqlens=(cu_q, cu_k)``, each (num_seqs + 1,) int32 on q's device): q: (1, Hq,
-    total_q, D), k, v: (1, Hkv, total_k, D) (heads-first views of the packed tensors), and ``pattern``
+    Dense: q: (B, Hq, Nq, D); k: (B, Hkv, Nk, D); v: (B, Hkv, Nk, Dv); pattern: the normalised
+    :class:`Pattern` of the batch. Packed (``cu_seqlens=(cu_q, cu_k)``, each (num_seqs + 1,) int32 on q's
+    device): q: (1, Hq, total_q, D), k, v: (1, Hkv, total_k, D or Dv) (heads-first views of the packed
+    tensors), and ``pattern``
     carries the window and the longest lengths (max_seqlen_q, max_seqlen_k); each sequence gets its own
     pattern inside the kernel, with nothing read on the host.
     float16/bfloat16/float32, any strides with unit last stride (never copied). sinks: None or (Hq,)
@@ -86,20 +87,20 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
     missing switches take its defaults), for tests and tuning; ``PACK_GQA`` is a request that shrinks to the
     largest power of two dividing the GQA group.
 
-    out: q's shape and dtype, zero rows where no key is visible; dense: in q's memory layout, packed: a
-    heads-first view of a contiguous (total_q, Hq, D) tensor.
+    out: (B, Hq, Nq, Dv) in q's dtype, zero rows where no key is visible; dense: in q's memory layout,
+    packed: a heads-first view of a contiguous (total_q, Hq, Dv) tensor.
     lse: (B, Hq, Nq), or (1, Hq, total_q) when packed, float32 contiguous natural-log logsumexp with the
     sink term; ``-inf`` (or ``sinks[h]``) for rows that see no key.
     """
     varlen = cu_seqlens is not None
-    out = (buffers.empty_packed_like if varlen else buffers.empty_like)(q)         # q's shape
+    out = (buffers.empty_packed_like if varlen else buffers.empty_like)(q, width=v.shape[3])  # (B, Hq, Nq, Dv)
     q_in = q
     if scale <= 0:
         # the kernel scales each block's max over raw scores, which needs a positive factor: the sign of the
         # scale, or a zero scale, goes into a copy of q (in the kernel, a scaled Q tile would leave shared
         # memory for registers and cost every block of every call)
         q_in, scale = (-q, -scale) if scale < 0 else (q * 0.0, 1.0)
-    plan = _forward_plan(q_in.shape, q_in.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, pattern,
+    plan = _forward_plan(q_in.shape, q_in.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, pattern,
                          scale, cu_seqlens[0].shape[0] - 1 if varlen else None,
                          tuple(sorted(config.items())) if config else None, dot_precision(q.dtype))
     lse = buffers.empty(plan.lse_shape, dtype=torch.float32, device=q.device)      # (B, Hq, Nq)
@@ -115,7 +116,7 @@ class _BackwardPlan(NamedTuple):
 
     stats_shape: tuple          # delta and lse2: (2, B, Hq, Nq) float32
     shares_shape: tuple | None  # dsinks shares: (seqs, n_q_tiles, Hq) float32, None without sinks
-    partials_shape: tuple | None  # dK, dV partials: (2, B, Hkv, head_splits, n_items, dkdv_n, D_PAD) or None
+    partials_shapes: tuple | None  # dK, dV partials: (B, Hkv, head_splits, n_items, dkdv_n, D_PAD or DV_PAD)
     dq_grid: tuple
     dq_head: tuple              # strides of q, k, v, out, dout
     dq_tail: tuple              # strides of dLSE and LSE, Nq, Nk, left, right, sink_tokens, scale, qk_scale
@@ -132,25 +133,25 @@ class _BackwardPlan(NamedTuple):
     sum_tail: tuple
     sum_options: tuple
     first: torch.Tensor | None
-    dq_tile: tuple              # descriptor blocks: (1, 1, dq_n, D_PAD) and (1, 1, dkdv_m, D_PAD)
-    dkdv_tile: tuple
+    dq_tiles: tuple             # descriptor blocks of K and V: (1, 1, dq_n, D_PAD or DV_PAD)
+    dkdv_tiles: tuple           # of Q and dO: (1, 1, dkdv_m, D_PAD or DV_PAD)
 
 
 @functools.lru_cache(maxsize=256)
-def _backward_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tuple, v_stride: tuple,
-                   o_stride: tuple, do_stride: tuple, dlse_stride: tuple | None, dtype: torch.dtype,
+def _backward_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tuple, v_shape: tuple,
+                   v_stride: tuple, o_stride: tuple, do_stride: tuple, dlse_stride: tuple | None, dtype: torch.dtype,
                    device: torch.device, has_sinks: bool, pattern: Pattern, scale: float, seqs: int | None,
                    config: BackwardConfig | None, precision: str) -> _BackwardPlan:
     """The launches of one layout (as :func:`_forward_plan`; ``dlse_stride`` None without an LSE gradient)."""
     B, Hq, Nq, D = q_shape
-    Hkv, Nk = k_shape[1], k_shape[2]
+    Hkv, Nk, Dv = k_shape[1], k_shape[2], v_shape[3]
     group = Hq // Hkv
     varlen = seqs is not None
-    cfg = config or backward_config(D, dtype, pattern, device, batch_heads=B * Hq, group=group)
-    d_pad = pad_head_dim(D)
+    cfg = config or backward_config(D, dtype, pattern, device, batch_heads=B * Hq, group=group, value_dim=Dv)
+    d_pad, dv_pad = pad_head_dim(D), pad_head_dim(Dv)
     shared = dict(
         HAS_LEFT=pattern.left >= 0, HAS_RIGHT=pattern.right >= 0, HAS_SINK_TOKENS=pattern.sink_tokens > 0,
-        PRECISION=precision, GROUP=group, HEAD_DIM=D, FLAT=cfg.flat,
+        PRECISION=precision, GROUP=group, HEAD_DIM=D, VALUE_DIM=Dv, FLAT=cfg.flat,
     )
     runtime = (pattern.left, pattern.right, pattern.sink_tokens, float(scale), scale * LOG2E)
     lse_strides = batch_strides((Hq * Nq, Nq, 1), varlen)[:2]  # delta, lse2 and LSE: (B, Hq, Nq) contiguous
@@ -177,7 +178,8 @@ def _backward_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tu
     return _BackwardPlan(
         stats_shape=(2, B, Hq, Nq),
         shares_shape=(programs, n_q_tiles, Hq) if has_sinks else None,
-        partials_shape=(2, B, Hkv, head_splits, n_items, cfg.dkdv_n, d_pad) if split else None,
+        partials_shapes=tuple((B, Hkv, head_splits, n_items, cfg.dkdv_n, pad) for pad in (d_pad, dv_pad))
+        if split else None,
         dq_grid=(n_q_tiles, Hq // pack, programs),
         dq_head=(q_s, k_s, v_s, o_s, do_s),
         dq_tail=(dl_s, lse_strides, Nq, Nk, *runtime),
@@ -189,8 +191,9 @@ def _backward_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tu
         dkdv_options=tuple(dkdv_options), dkdv_tma=cfg.dkdv_tma and not varlen, work=work,
         sum_grid=(n_tiles, Hkv, B) if split else None,
         sum_tail=(Hkv, Nk, head_splits, n_items),
-        sum_options=constexprs(BLOCK_N=cfg.dkdv_n, HEAD_DIM=D, num_warps=4),
-        first=first, dq_tile=(1, 1, cfg.dq_n, d_pad), dkdv_tile=(1, 1, cfg.dkdv_m, d_pad),
+        sum_options=constexprs(BLOCK_N=cfg.dkdv_n, HEAD_DIM=D, VALUE_DIM=Dv, num_warps=4),
+        first=first, dq_tiles=tuple((1, 1, cfg.dq_n, pad) for pad in (d_pad, dv_pad)),
+        dkdv_tiles=tuple((1, 1, cfg.dkdv_m, pad) for pad in (d_pad, dv_pad)),
     )
 
 
@@ -200,8 +203,8 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
     """Gradients of attention (docs/design.md section 1) from the forward's output and LSE.
 
     Args:
-        dout, q, out: ``(B, Hq, Nq, D)``; k, v: ``(B, Hkv, Nk, D)``; any strides with unit last stride
-            (never copied).
+        q: ``(B, Hq, Nq, D)``; k: ``(B, Hkv, Nk, D)``; v: ``(B, Hkv, Nk, Dv)``; dout, out: ``(B, Hq, Nq,
+            Dv)``; any strides with unit last stride (never copied).
         lse: ``(B, Hq, Nq)`` float32 contiguous, natural log, sink term included (``-inf`` for empty rows).
         dlse: ``None`` or ``(B, Hq, Nq)`` gradient of the returned LSE (any strides and float dtype).
         sinks: ``None`` or ``(Hq,)`` float32 learned sink logits.
@@ -228,7 +231,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
             if dlse is not None:
                 dsinks += dlse.float().sum(dim=(0, 2))
         return (*grads, dsinks)
-    plan = _backward_plan(q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), dout.stride(),
+    plan = _backward_plan(q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(), dout.stride(),
                           None if dlse is None else dlse.stride(), q.dtype, q.device, sinks is not None, pattern,
                           scale, cu_seqlens[0].shape[0] - 1 if varlen else None, config, dot_precision(q.dtype))
     stats = buffers.empty(plan.stats_shape, dtype=torch.float32, device=q.device)
@@ -238,9 +241,9 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
     dkdv_tma = plan.dkdv_tma and descriptors.supported(q, dout)
     k_in, v_in, q_in, do_in = k, v, q, dout
     if dq_tma:  # dQ reads its K, V tiles through descriptors
-        k_in, v_in = (descriptors.tiles(t, plan.dq_tile) for t in (k, v))
+        k_in, v_in = (descriptors.tiles(t, tile) for t, tile in zip((k, v), plan.dq_tiles))
     if dkdv_tma:  # dK/dV its Q, dO tiles
-        q_in, do_in = (descriptors.tiles(t, plan.dkdv_tile) for t in (q, dout))
+        q_in, do_in = (descriptors.tiles(t, tile) for t, tile in zip((q, dout), plan.dkdv_tiles))
 
     # dQ first: its programs also store delta and lse2, which every dK/dV program reads
     dq = like(q)
@@ -254,8 +257,8 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
 
     dk, dv = like(k), like(v)
     pk, pv = dk, dv
-    if plan.partials_shape is not None:
-        pk, pv = buffers.empty(plan.partials_shape, dtype=torch.float32, device=q.device)
+    if plan.partials_shapes is not None:
+        pk, pv = (buffers.empty(shape, dtype=torch.float32, device=q.device) for shape in plan.partials_shapes)
     launch(_dkdv, plan.dkdv_grid, (q_in, k, v, do_in, lse2, delta, pk, pv, plan.work, shares, dsinks, cu_q, cu_k),
            (*plan.dkdv_head, batch_strides(dk.stride(), varlen), batch_strides(dv.stride(), varlen),
             *plan.dkdv_tail), plan.dkdv_options[dkdv_tma])

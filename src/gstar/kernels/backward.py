@@ -75,20 +75,21 @@ def _load_rows(ptr, idx, n, stride, CHECK_ROWS: tl.constexpr, HEAD_DIM: tl.const
 
 @triton.jit
 def _load_pair(A, B, seq, head, start, n, stride_a, stride_b, ROWS: tl.constexpr, CHECK_ROWS: tl.constexpr,
-               HEAD_DIM: tl.constexpr, TMA: tl.constexpr):
-    """Rows ``start .. start + ROWS - 1`` of one head of two operands as (ROWS, D_PAD) tiles, zeros outside.
+               A_DIM: tl.constexpr, B_DIM: tl.constexpr, TMA: tl.constexpr):
+    """Rows ``start .. start + ROWS - 1`` of one head of two operands, A_DIM and B_DIM wide, as (ROWS, A_PAD)
+    and (ROWS, B_PAD) tiles, zeros outside.
 
-    With TMA, A and B are descriptors over (B, H, n, HEAD_DIM) read at batch ``seq``, head ``head`` (int32),
-    whose copy engine zero-fills rows past n and lanes past HEAD_DIM; otherwise pointers at row 0 of the
-    head with row strides ``stride_a``, ``stride_b`` (see ``_load_rows``).
+    With TMA, A and B are descriptors over (B, H, n, A_DIM or B_DIM) read at batch ``seq``, head ``head``
+    (int32), whose copy engine zero-fills rows past n and lanes past the head dim; otherwise pointers at row
+    0 of the head with row strides ``stride_a``, ``stride_b`` (see ``_load_rows``).
     """
     if TMA:
-        a = A.load([seq, head, start, 0]).reshape(ROWS, pad_head_dim(HEAD_DIM))
-        b = B.load([seq, head, start, 0]).reshape(ROWS, pad_head_dim(HEAD_DIM))
+        a = A.load([seq, head, start, 0]).reshape(ROWS, pad_head_dim(A_DIM))
+        b = B.load([seq, head, start, 0]).reshape(ROWS, pad_head_dim(B_DIM))
     else:
         idx = start + tl.arange(0, ROWS)                                                # (ROWS,)
-        a = _load_rows(A, idx, n, stride_a, CHECK_ROWS, HEAD_DIM)
-        b = _load_rows(B, idx, n, stride_b, CHECK_ROWS, HEAD_DIM)
+        a = _load_rows(A, idx, n, stride_a, CHECK_ROWS, A_DIM)
+        b = _load_rows(B, idx, n, stride_b, CHECK_ROWS, B_DIM)
     return a, b
 
 
@@ -126,18 +127,19 @@ def _dkdv_step(
     dk, dv, k, v, Q, DO, LSE2, DELTA, seq, head, m_start, stride_qn, stride_don, offs_n,
     nq, nk, left, right, sink_tokens, qk_scale,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
-    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, TMA: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """Adds one Q tile's contribution to dk, dv (BLOCK_N, D_PAD) float32.
+    """Adds one Q tile's contribution to dk (BLOCK_N, D_PAD) and dv (BLOCK_N, DV_PAD), float32.
 
-    k, v: (BLOCK_N, D_PAD) of keys ``offs_n`` (BLOCK_N,); LSE2, DELTA point at the (Nq,) rows of one query
-    head, and so do Q, DO, or with TMA they are descriptors over (B, Hq, Nq, HEAD_DIM) read at batch
-    ``seq``, head ``head`` (int32). Scores are kept transposed, (BLOCK_N, BLOCK_M), so that both products
+    k: (BLOCK_N, D_PAD) and v: (BLOCK_N, DV_PAD) of keys ``offs_n`` (BLOCK_N,); LSE2, DELTA point at the
+    (Nq,) rows of one query head, and so do Q, DO, or with TMA they are descriptors over (B, Hq, Nq,
+    HEAD_DIM) and (B, Hq, Nq, VALUE_DIM) read at batch ``seq``, head ``head`` (int32). Scores are kept transposed, (BLOCK_N, BLOCK_M), so that both products
     land in the accumulators' layout.
     """
     offs_m = m_start + tl.arange(0, BLOCK_M)                                            # (BLOCK_M,)
     q, do = _load_pair(Q, DO, seq, head, m_start, nq, stride_qn, stride_don, ROWS=BLOCK_M, CHECK_ROWS=MASKED,
-                       HEAD_DIM=HEAD_DIM, TMA=TMA)                                      # (BLOCK_M, D_PAD)
+                       A_DIM=HEAD_DIM, B_DIM=VALUE_DIM, TMA=TMA)              # (BLOCK_M, D_PAD), (BLOCK_M, DV_PAD)
     if MASKED:
         lse2 = tl.load(LSE2 + offs_m, mask=offs_m < nq, other=float("inf"))             # (BLOCK_M,)
         delta = tl.load(DELTA + offs_m, mask=offs_m < nq, other=0.0)                    # (BLOCK_M,)
@@ -181,26 +183,28 @@ def _dkdv(
     stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv, stride_lse,
     nq, nk, head_splits, n_items, n_shares, left, right, sink_tokens, scale, qk_scale,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr, FLAT: tl.constexpr,
-    SPLIT: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
+    VALUE_DIM: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
+    FLAT: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid ``(n_items, Hkv * head_splits, B)``: dK, dV of one KV tile of one kv head, summed over
     ``GROUP // head_splits`` query heads and the Q tiles of one work item.
 
-    Q, DO: (B, Hq, Nq, HEAD_DIM); K, V, DK, DV: (B, Hkv, Nk, HEAD_DIM); ``stride_x``: the (batch, head, row)
-    strides of x, unit last stride. LSE2, DELTA: (B, Hq, Nq) float32 with strides (*stride_lse, 1).
+    Q: (B, Hq, Nq, HEAD_DIM), DO: (B, Hq, Nq, VALUE_DIM); K, DK: (B, Hkv, Nk, HEAD_DIM), V, DV: (B, Hkv, Nk,
+    VALUE_DIM); ``stride_x``: the (batch, head, row) strides of x, unit last stride. LSE2, DELTA: (B, Hq, Nq) float32 with strides (*stride_lse, 1).
     Dense (CuQ, CuK None): the items and their Q tile ranges come from WORK, (n_items, 5) int32 (see
     :func:`gstar.kernels.schedule.split_plan`). Packed (CuQ, CuK: (B + 1,) int32): axis 2 is the sequence,
     found through CuQ, CuK (see ``_forward_kernel``), every KV tile of the longest one is an item, and
     :func:`gstar.kernels.ranges.q_range` finds its Q tiles. Without SPLIT every KV tile is one item and the
     whole group one split: the result goes to DK, DV in their dtype. With SPLIT (dense only) DK and DV are
-    float32 partials ``(B, Hkv, head_splits, n_items, BLOCK_N, D_PAD)`` contiguous, summed by
-    ``_sum_partials``. TMA (dense only): Q and DO are tensor descriptors moving (1, 1, BLOCK_M, D_PAD) tiles.
+    float32 partials ``(B, Hkv, head_splits, n_items, BLOCK_N, D_PAD or DV_PAD)`` contiguous, summed by
+    ``_sum_partials``. TMA (dense only): Q and DO are tensor descriptors moving (1, 1, BLOCK_M, D_PAD) and
+    (1, 1, BLOCK_M, DV_PAD) tiles.
     With learned sinks (DSINKS: (Hq,) float32, SHARES: (n_shares, Hq) float32, else both None) the program
     of item 0 and sequence 0 of each (kv head, head split) also sums its query heads' dsinks shares, which
     ``_dq`` (launched before) stored, into DSINKS (one launch fewer).
     """
     D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
+    DV_PAD: tl.constexpr = pad_head_dim(VALUE_DIM)
     HAS_SINKS: tl.constexpr = DSINKS is not None
     VARLEN: tl.constexpr = CuQ is not None
     item = tl.program_id(0)
@@ -228,13 +232,12 @@ def _dkdv(
         # as packed sequences must: benchmarks/NOTES.md, 'Backward tile ranges: host tables for dense batches'
         tile, m_start, m_full_start, m_full_end, m_end = _table_row(WORK, item)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)                                     # (BLOCK_N,)
-    offs_d = tl.arange(0, D_PAD)                                                        # (D_PAD,)
     k_head = K + b * stride_k[0] + hkv * stride_k[1] + k_start * stride_k[2]
     v_head = V + b * stride_v[0] + hkv * stride_v[1] + k_start * stride_v[2]
     k = _load_rows(k_head, offs_n, nk, stride_k[2], True, HEAD_DIM)                     # (BLOCK_N, D_PAD)
-    v = _load_rows(v_head, offs_n, nk, stride_v[2], True, HEAD_DIM)
+    v = _load_rows(v_head, offs_n, nk, stride_v[2], True, VALUE_DIM)                    # (BLOCK_N, DV_PAD)
     dk = tl.zeros((BLOCK_N, D_PAD), dtype=tl.float32)
-    dv = tl.zeros((BLOCK_N, D_PAD), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, DV_PAD), dtype=tl.float32)
     if FLAT:  # one pipelined loop over (head, Q tile) pairs, every tile masked
         n_m = m_end - m_start
         for it in range(0, heads * n_m):
@@ -247,7 +250,8 @@ def _dkdv(
                 dk, dv, k, v, q_head, do_head, lse2_head, delta_head, seq, h.to(tl.int32), m * BLOCK_M,
                 stride_qn=stride_q[2], stride_don=stride_do[2], offs_n=offs_n, nq=nq, nk=nk, left=left, right=right,
                 sink_tokens=sink_tokens, qk_scale=qk_scale, MASKED=True, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT,
-                HAS_SINK_TOKENS=HAS_SINK_TOKENS, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, TMA=TMA, PRECISION=PRECISION)
+                HAS_SINK_TOKENS=HAS_SINK_TOKENS, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM, TMA=TMA,
+                PRECISION=PRECISION)
     else:
         for g in range(split * heads, split * heads + heads):
             h = hkv * GROUP + g
@@ -262,18 +266,17 @@ def _dkdv(
                         stride_qn=stride_q[2], stride_don=stride_do[2], offs_n=offs_n, nq=nq, nk=nk, left=left,
                         right=right, sink_tokens=sink_tokens, qk_scale=qk_scale, MASKED=r != 1, HAS_LEFT=HAS_LEFT,
                         HAS_RIGHT=HAS_RIGHT, HAS_SINK_TOKENS=HAS_SINK_TOKENS, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM,
-                        TMA=TMA, PRECISION=PRECISION)
+                        VALUE_DIM=VALUE_DIM, TMA=TMA, PRECISION=PRECISION)
     if SPLIT:
         # pid_h = hkv * head_splits + split, so this is partial [b, hkv, split, item]
-        slot = ((b * tl.num_programs(1) + pid_h) * n_items + item) * (BLOCK_N * D_PAD)
-        tile_offs = tl.arange(0, BLOCK_N)[:, None] * D_PAD + offs_d[None, :]           # (BLOCK_N, D_PAD)
-        tl.store(DK + slot + tile_offs, dk * scale)
-        tl.store(DV + slot + tile_offs, dv)
+        slot = (b * tl.num_programs(1) + pid_h) * n_items + item
+        _store_partial(DK, slot, dk * scale)
+        _store_partial(DV, slot, dv)
     else:
         dk_head = DK + b * stride_dk[0] + hkv * stride_dk[1] + k_start * stride_dk[2]
         dv_head = DV + b * stride_dv[0] + hkv * stride_dv[1] + k_start * stride_dv[2]
         _store_rows(dk_head, offs_n, nk, stride_dk[2], dk * scale, HEAD_DIM)
-        _store_rows(dv_head, offs_n, nk, stride_dv[2], dv, HEAD_DIM)
+        _store_rows(dv_head, offs_n, nk, stride_dv[2], dv, VALUE_DIM)
     if HAS_SINKS:
         # after the tile's own work: before it, this sum changes the code ptxas generates for the loops above
         if (item == 0) & (seq == 0):
@@ -281,36 +284,51 @@ def _dkdv(
 
 
 @triton.jit
+def _store_partial(P, slot, x):
+    """Stores the (BLOCK_N, W) float32 tile ``x`` as partial ``slot`` of P, (n_slots, BLOCK_N, W) contiguous."""
+    BLOCK_N: tl.constexpr = x.shape[0]
+    W: tl.constexpr = x.shape[1]
+    offs = tl.arange(0, BLOCK_N)[:, None] * W + tl.arange(0, W)[None, :]               # (BLOCK_N, W)
+    tl.store(P + slot * (BLOCK_N * W) + offs, x)
+
+
+@triton.jit
+def _sum_tile(P, D, first, last, head_base, n_items, tile, nk, stride_d, BLOCK_N: tl.constexpr,
+              WIDTH: tl.constexpr, head_splits):
+    """Rows ``tile * BLOCK_N ..`` of D (Nk, WIDTH) of one kv head = the sum of the partials ``(head_base + s,
+    i)`` of P, (.., n_items, BLOCK_N, W_PAD) float32, for each head split s and item ``first <= i < last``,
+    in that order."""
+    W_PAD: tl.constexpr = pad_head_dim(WIDTH)
+    ROWS: tl.constexpr = _block_rows(W_PAD, BLOCK_N)
+    for r in range(0, BLOCK_N, ROWS):
+        offs_r = r + tl.arange(0, ROWS)                                                 # (ROWS,)
+        tile_offs = offs_r[:, None] * W_PAD + tl.arange(0, W_PAD)[None, :]              # (ROWS, W_PAD)
+        acc = tl.zeros((ROWS, W_PAD), dtype=tl.float32)
+        for s in range(0, head_splits):
+            for i in range(first, last):
+                acc += tl.load(P + ((head_base + s) * n_items + i) * (BLOCK_N * W_PAD) + tile_offs)
+        _store_rows(D, tile * BLOCK_N + offs_r, nk, stride_d, acc, WIDTH)
+
+
+@triton.jit
 def _sum_partials(PK, PV, DK, DV, FIRST, stride_dk, stride_dv, Hkv, nk, head_splits, n_items,
-                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr):
     """Grid ``(cdiv(Nk, BLOCK_N), Hkv, B)``: dK, dV of one KV tile = the sum of its partials, head split by
     head split and work item by work item (a fixed order: bitwise reproducible).
 
-    PK, PV: (B, Hkv, head_splits, n_items, BLOCK_N, D_PAD) float32 contiguous; DK, DV: (B, Hkv, Nk, HEAD_DIM)
-    with (batch, head, row) strides ``stride_dk``, ``stride_dv``; FIRST: (n tiles + 1,) int32, the tile's
-    items are ``FIRST[t] .. FIRST[t + 1] - 1``."""
-    D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
-    ROWS: tl.constexpr = _block_rows(D_PAD, BLOCK_N)
+    PK, PV: (B, Hkv, head_splits, n_items, BLOCK_N, D_PAD or DV_PAD) float32 contiguous; DK: (B, Hkv, Nk,
+    HEAD_DIM), DV: (B, Hkv, Nk, VALUE_DIM) with (batch, head, row) strides ``stride_dk``, ``stride_dv``;
+    FIRST: (n tiles + 1,) int32, the tile's items are ``FIRST[t] .. FIRST[t + 1] - 1``."""
     tile = tl.program_id(0)
     hkv = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     first = tl.load(FIRST + tile)
     last = tl.load(FIRST + tile + 1)
-    offs_d = tl.arange(0, D_PAD)                                                        # (D_PAD,)
     head_base = (b * Hkv + hkv) * head_splits
-    for r in range(0, BLOCK_N, ROWS):
-        offs_r = r + tl.arange(0, ROWS)                                                 # (ROWS,)
-        tile_offs = offs_r[:, None] * D_PAD + offs_d[None, :]                           # (ROWS, D_PAD)
-        dk = tl.zeros((ROWS, D_PAD), dtype=tl.float32)
-        dv = tl.zeros((ROWS, D_PAD), dtype=tl.float32)
-        for s in range(0, head_splits):
-            for i in range(first, last):
-                slot = ((head_base + s) * n_items + i) * (BLOCK_N * D_PAD)
-                dk += tl.load(PK + slot + tile_offs)
-                dv += tl.load(PV + slot + tile_offs)
-        offs_n = tile * BLOCK_N + offs_r
-        _store_rows(DK + b * stride_dk[0] + hkv * stride_dk[1], offs_n, nk, stride_dk[2], dk, HEAD_DIM)
-        _store_rows(DV + b * stride_dv[0] + hkv * stride_dv[1], offs_n, nk, stride_dv[2], dv, HEAD_DIM)
+    _sum_tile(PK, DK + b * stride_dk[0] + hkv * stride_dk[1], first, last, head_base, n_items, tile, nk,
+              stride_dk[2], BLOCK_N, HEAD_DIM, head_splits)
+    _sum_tile(PV, DV + b * stride_dv[0] + hkv * stride_dv[1], first, last, head_base, n_items, tile, nk,
+              stride_dv[2], BLOCK_N, VALUE_DIM, head_splits)
 
 
 @triton.jit
@@ -318,17 +336,18 @@ def _dq_step(
     dq, q, do, lse2, delta, K, V, seq, kv_head, n_start, stride_kn, stride_vn, offs_m,
     nq, nk, left, right, sink_tokens, qk_scale,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, TMA: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Adds one KV block's contribution to dq (BLOCK_M, D_PAD) float32.
 
-    q, do: (BLOCK_M, D_PAD) of query positions ``offs_m`` (BLOCK_M,); lse2, delta: (BLOCK_M,); K, V point
-    at key 0 of the kv head, or with TMA are descriptors over (B, Hkv, Nk, HEAD_DIM) read at batch ``seq``,
-    head ``kv_head`` (int32).
+    q: (BLOCK_M, D_PAD) and do: (BLOCK_M, DV_PAD) of query positions ``offs_m`` (BLOCK_M,); lse2, delta:
+    (BLOCK_M,); K, V point at key 0 of the kv head, or with TMA are descriptors over (B, Hkv, Nk, HEAD_DIM)
+    and (B, Hkv, Nk, VALUE_DIM) read at batch ``seq``, head ``kv_head`` (int32).
     """
     offs_n = n_start + tl.arange(0, BLOCK_N)                                            # (BLOCK_N,)
     k, v = _load_pair(K, V, seq, kv_head, n_start, nk, stride_kn, stride_vn, ROWS=BLOCK_N, CHECK_ROWS=MASKED,
-                      HEAD_DIM=HEAD_DIM, TMA=TMA)                                       # (BLOCK_N, D_PAD)
+                      A_DIM=HEAD_DIM, B_DIM=VALUE_DIM, TMA=TMA)               # (BLOCK_N, D_PAD), (BLOCK_N, DV_PAD)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)                                # (BLOCK_M, BLOCK_N)
     p = tl.math.exp2(s * qk_scale - lse2[:, None])
     if MASKED:
@@ -347,7 +366,7 @@ def _dq(
     stride_q, stride_k, stride_v, stride_o, stride_do, stride_dq, stride_dlse, stride_lse,
     nq, nk, left, right, sink_tokens, scale, qk_scale,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr, FLAT: tl.constexpr,
+    VALUE_DIM: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr, FLAT: tl.constexpr,
     TMA: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid ``(n_tiles, Hq // PACK, B)``: dQ of one Q tile of PACK query heads, over the KV blocks that
@@ -357,16 +376,18 @@ def _dq(
     BLOCK_M // PACK positions of each, so every K/V block is loaded once for all of them and a narrow
     window's tile spans fewer keys; n_tiles = cdiv(Nq, BLOCK_M // PACK).
 
-    Q, O, DO, DQ: (B, Hq, Nq, HEAD_DIM); K, V: (B, Hkv, Nk, HEAD_DIM); ``stride_x``: the (batch, head, row)
-    strides of x, unit last stride. LSE, LSE2, DELTA: (B, Hq, Nq) float32 with strides (*stride_lse, 1);
+    Q, DQ: (B, Hq, Nq, HEAD_DIM); O, DO: (B, Hq, Nq, VALUE_DIM); K: (B, Hkv, Nk, HEAD_DIM); V: (B, Hkv, Nk,
+    VALUE_DIM); ``stride_x``: the (batch, head, row) strides of x, unit last stride. LSE, LSE2, DELTA: (B, Hq, Nq) float32 with strides (*stride_lse, 1);
     DLSE: None or (B, Hq, Nq) of any float dtype and strides ``stride_dlse``. The program first derives its
     rows' statistics, ``delta = rowsum(dO * O) - dLSE`` and the base-2 LSE, and stores them to DELTA and LSE2
     for ``_dkdv`` (launched after it). With learned sinks (Sinks: (Hq,) float32, else None) it also stores
     this tile's share of dsinks[h] for each of its heads, ``-sum_rows exp(sinks[h] - lse) * delta``, to
     DSINKS: (B, n_tiles, Hq) float32.
-    TMA (dense only): K and V are tensor descriptors moving (1, 1, BLOCK_N, D_PAD) tiles.
+    TMA (dense only): K and V are tensor descriptors moving (1, 1, BLOCK_N, D_PAD) and (1, 1, BLOCK_N,
+    DV_PAD) tiles.
     """
     D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
+    DV_PAD: tl.constexpr = pad_head_dim(VALUE_DIM)
     HAS_SINKS: tl.constexpr = Sinks is not None
     VARLEN: tl.constexpr = CuQ is not None
     pid_m = tl.program_id(0)
@@ -388,13 +409,15 @@ def _dq(
     # each row's query head, position, whether it is < nq, and index along the sequence axis: (BLOCK_M,)
     heads, pos, rows, tokens = tile_rows(tl.arange(0, BLOCK_M), h0, pid_m * ROWS, q_start, nq, ROWS)
     offs_d = tl.arange(0, D_PAD)                                                        # (D_PAD,)
+    offs_dv = tl.arange(0, DV_PAD)                                                      # (DV_PAD,)
     tile_ok = rows[:, None] & (offs_d[None, :] < HEAD_DIM)                              # (BLOCK_M, D_PAD)
+    value_ok = rows[:, None] & (offs_dv[None, :] < VALUE_DIM)                           # (BLOCK_M, DV_PAD)
     q_rows = b * stride_q[0] + heads * stride_q[1] + tokens * stride_q[2]               # (BLOCK_M,)
     do_rows = b * stride_do[0] + heads * stride_do[1] + tokens * stride_do[2]
     o_rows = b * stride_o[0] + heads * stride_o[1] + tokens * stride_o[2]
     q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=tile_ok, other=0.0)         # (BLOCK_M, D_PAD)
-    do = tl.load(DO + do_rows[:, None] + offs_d[None, :], mask=tile_ok, other=0.0)
-    o = tl.load(O + o_rows[:, None] + offs_d[None, :], mask=tile_ok, other=0.0)
+    do = tl.load(DO + do_rows[:, None] + offs_dv[None, :], mask=value_ok, other=0.0)    # (BLOCK_M, DV_PAD)
+    o = tl.load(O + o_rows[:, None] + offs_dv[None, :], mask=value_ok, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)                        # (BLOCK_M,)
     if DLSE is not None:
         dlse_rows = b * stride_dlse[0] + heads * stride_dlse[1] + tokens * stride_dlse[2]
@@ -424,7 +447,8 @@ def _dq(
                 dq, q, do, lse2, delta, k_head, v_head, seq, kv_head, n * BLOCK_N, stride_kn=stride_k[2],
                 stride_vn=stride_v[2], offs_m=pos, nq=nq, nk=nk, left=left, right=right, sink_tokens=sink_tokens,
                 qk_scale=qk_scale, MASKED=True, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT,
-                HAS_SINK_TOKENS=HAS_SINK_TOKENS, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, TMA=TMA, PRECISION=PRECISION)
+                HAS_SINK_TOKENS=HAS_SINK_TOKENS, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM, TMA=TMA,
+                PRECISION=PRECISION)
     else:
         # sink blocks, then the band's masked edge, unmasked interior and masked edge: one loop each
         starts = (0, band_start, full_start, full_end)
@@ -436,6 +460,6 @@ def _dq(
                     stride_vn=stride_v[2], offs_m=pos, nq=nq, nk=nk, left=left, right=right,
                     sink_tokens=sink_tokens, qk_scale=qk_scale, MASKED=r != 2, HAS_LEFT=HAS_LEFT,
                     HAS_RIGHT=HAS_RIGHT, HAS_SINK_TOKENS=HAS_SINK_TOKENS, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
-                    TMA=TMA, PRECISION=PRECISION)
+                    VALUE_DIM=VALUE_DIM, TMA=TMA, PRECISION=PRECISION)
     dq_rows = b * stride_dq[0] + heads * stride_dq[1] + tokens * stride_dq[2]           # (BLOCK_M,)
     tl.store(DQ + dq_rows[:, None] + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=tile_ok)

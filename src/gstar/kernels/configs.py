@@ -16,13 +16,17 @@ import triton
 from ..pattern import Pattern
 
 # (largest head dim, BLOCK_M, BLOCK_N, num_warps, num_stages, HALVES); the first row whose head dim fits
-# wins. The D <= 128 rows are the fastest of scripts/tune-forward's sweeps (benchmarks/NOTES.md, 'Forward
-# switches' for D <= 64 with PACK_GQA, 'HALVES at head dim 128' for D = 128); the D = 256 row is checked by
-# compiling for sm_90 only (no register spills).
+# wins, where a call's head dim is the wider of D and Dv. The D <= 128 rows are the fastest of
+# scripts/tune-forward's sweeps (benchmarks/NOTES.md, 'Forward switches' for D <= 64 with PACK_GQA, 'HALVES
+# at head dim 128' for D = 128); the D = 256 row is checked by compiling for sm_90 only (no register
+# spills). Wider heads (latent attention's 576 / 512) take short tiles that keep the (BLOCK_M, Dv)
+# accumulator and the (BLOCK_M, D) Q tile on chip: serving shapes, where K/V traffic sets the time.
 _FORWARD_16BIT = (
     (64, 128, 64, 4, 3, False),
     (128, 256, 64, 8, 4, True),
     (256, 128, 32, 8, 2, False),
+    (512, 64, 32, 4, 2, False),
+    (1024, 32, 16, 4, 2, False),
 )
 # HALVES needs Hopper's asynchronous MMA to overlap anything, and 256-row tiles waste most of their rows on
 # short queries: there the D <= 128 row before HALVES (the fastest then) stands in.
@@ -44,6 +48,7 @@ _FORWARD_FP32 = (
     (64, 64, 32, 8, 2, False),
     (128, 64, 32, 8, 2, False),
     (256, 32, 32, 8, 2, False),
+    (1024, 16, 16, 4, 1, False),
 )
 # Under the Triton interpreter (CPU tensors) small tiles make tests cover several blocks and stay fast.
 _FORWARD_INTERPRETER = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1, "HALVES": False}
@@ -71,16 +76,18 @@ def _major(device: torch.device) -> int:
     return torch.cuda.get_device_capability(device)[0]
 
 
-def forward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device, group: int = 1) -> dict:
+def forward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device, group: int = 1,
+                   value_dim: int | None = None) -> dict:
     """Launch settings of the forward kernel.
 
-    head_dim: D (1..256); dtype: q's dtype; pattern: the normalised attention pattern; device: q's device;
-    group: Hq // Hkv. Returns ``{"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}`` (BLOCK_M counts tile
+    head_dim: D (1..1024); dtype: q's dtype; pattern: the normalised attention pattern; device: q's device;
+    group: Hq // Hkv; value_dim: Dv (default D). Returns ``{"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}`` (BLOCK_M counts tile
     rows over all packed heads) plus the kernel switches ``"PACK_GQA"`` (query heads per tile, a power of
     two dividing ``group``), ``"FLAT"`` and ``"HALVES"`` (bool).
     """
     if torch.device(device).type != "cuda":
         return dict(_FORWARD_INTERPRETER, PACK_GQA=1, FLAT=False)
+    head_dim = max(head_dim, value_dim or head_dim)  # the tiles fit the wider of the two
     table = _FORWARD_FP32 if dtype == torch.float32 else _FORWARD_16BIT
     block_m, block_n, num_warps, num_stages, halves = next(row[1:] for row in table if head_dim <= row[0])
     band = _band_width(pattern)
@@ -197,6 +204,7 @@ _BACKWARD_16BIT = (
     (64, False, (64, 64, 4, 3, True), (128, 64, 8, 2, True)),
     (128, False, (64, 128, 8, 3, False), (128, 64, 8, 3, True)),
     (256, False, (16, 32, 4, 1, False), (32, 32, 4, 1, False)),
+    (1024, False, (16, 16, 4, 1, False), (16, 16, 4, 1, False)),  # latent attention's widths: correct, not fast
 )
 # Narrow windows at head dim 64 with GQA heads to pack: dQ tiles of 16 positions of 4 heads over 32-key
 # blocks, as the forward's packed tiles (each program's band spans 143 keys instead of 191); 8 heads per
@@ -206,7 +214,7 @@ _DQ_NARROW_PACK = 4
 
 
 def backward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device, batch_heads: int = 1,
-                    group: int = 1) -> BackwardConfig:
+                    group: int = 1, value_dim: int | None = None) -> BackwardConfig:
     """Launch settings of the backward kernels (same arguments as ``configs.forward_config``, and
     ``batch_heads`` = B * Hq, which with the pattern sizes the work for the descriptor switches).
 
@@ -216,6 +224,7 @@ def backward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device,
     """
     if torch.device(device).type != "cuda":
         return BackwardConfig(16, 32, 32, 16, dkdv_warps=1, dq_warps=1)
+    head_dim = max(head_dim, value_dim or head_dim)  # the tiles fit the wider of the two
     d_pad = pad_head_dim(head_dim)
     if dtype == torch.float32:  # IEEE dots run on FMA units and float32 tiles take twice the registers
         if d_pad > 128:

@@ -15,7 +15,8 @@ is loaded once for all of them; ``FLAT`` walks the window band in one masked loo
 ``HALVES`` runs the tile as two halves whose softmax and products overlap (D = 128 on Hopper). The rest
 follows from the arguments: learned sinks from ``Sinks``, packed sequences from ``CuQ`` / ``CuK`` (each
 sequence's bounds read on the device, one launch for all), the grid order from the window bounds
-(:func:`tiles_fastest`), the padded head dim from ``HEAD_DIM``.
+(:func:`tiles_fastest`), the padded head dims from ``HEAD_DIM`` (queries and keys) and ``VALUE_DIM``
+(values and the output, which may be narrower or wider).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def _softmax_step(s, acc, m_i, l_i, rows, cols, qk_scale, Nq, Nk, left, right, s
     """One KV block's online-softmax update of R rows: returns ``(p, acc, m_i, l_i)``, with ``acc``
     rescaled to the new max and ``p`` the block's float32 weights, ready for ``acc += p @ v``.
 
-    s: (R, BLOCK_N) raw scores; acc: (R, D_PAD) float32; m_i, l_i: (R,) float32 running max (base 2,
+    s: (R, BLOCK_N) raw scores; acc: (R, DV_PAD) float32; m_i, l_i: (R,) float32 running max (base 2,
     scaled) and running sum; rows: (R,) query positions; cols: (BLOCK_N,) key indices; qk_scale > 0.
     ``MASKED`` blocks evaluate :func:`gstar.kernels.ranges.visible`; the others are whole blocks visible to
     every stored row. ``MAY_BE_EMPTY``: a row can still have ``m_i = -inf`` here (no learned sink), so
@@ -76,8 +77,8 @@ def _softmax_step(s, acc, m_i, l_i, rows, cols, qk_scale, Nq, Nk, left, right, s
 
 @triton.jit
 def _attend_blocks(acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2,
-                   k_ptrs, v_ptrs, stride_kn, stride_vn, offs_n, d_ok, block_lo, block_hi, qk_scale, Nq, Nk,
-                   left, right, sink_tokens, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                   k_ptrs, v_ptrs, stride_kn, stride_vn, offs_n, block_lo, block_hi, qk_scale, Nq, Nk,
+                   left, right, sink_tokens, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
                    MASKED: tl.constexpr, MAY_BE_EMPTY: tl.constexpr, PRECISION: tl.constexpr,
                    HALVES: tl.constexpr):
@@ -85,13 +86,16 @@ def _attend_blocks(acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2,
 
     ``(acc, m_i, l_i, q, rows)`` are the state and rows of the tile (or of its first half with HALVES), as
     in :func:`_softmax_step`, with q: (R, D_PAD); ``(acc2, ..., rows2)`` those of the second half (ignored
-    and returned as they came without HALVES). k_ptrs: (D_PAD, BLOCK_N) and v_ptrs: (BLOCK_N, D_PAD) point
-    at keys 0..BLOCK_N-1 of this kv head; offs_n: (BLOCK_N,); d_ok: (D_PAD,) real head-dim lanes. Masked
-    blocks also guard the loads of keys past ``Nk``; whole blocks of an unpadded head dim load unmasked.
+    and returned as they came without HALVES). k_ptrs: (D_PAD, BLOCK_N) and v_ptrs: (BLOCK_N, DV_PAD) point
+    at keys 0..BLOCK_N-1 of this kv head; offs_n: (BLOCK_N,). Masked blocks also guard the loads of keys
+    past ``Nk``; whole blocks load unmasked unless their head dim is padded.
     HALVES: both halves' score products are issued before either softmax, so the tensor cores work on
     the second half's scores, then the first half's output, while the softmax of the other half runs.
     """
     EVEN_D: tl.constexpr = HEAD_DIM == pad_head_dim(HEAD_DIM)
+    EVEN_DV: tl.constexpr = VALUE_DIM == pad_head_dim(VALUE_DIM)
+    d_ok = tl.arange(0, pad_head_dim(HEAD_DIM)) < HEAD_DIM  # (D_PAD,) real lanes of q and k
+    dv_ok = tl.arange(0, pad_head_dim(VALUE_DIM)) < VALUE_DIM  # (DV_PAD,) of v
     for block in range(block_lo, block_hi):
         start_n = block * BLOCK_N
         cols = start_n + offs_n  # (BLOCK_N,)
@@ -109,11 +113,11 @@ def _attend_blocks(acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2,
                                          HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, MASKED, MAY_BE_EMPTY)
         v_block = v_ptrs + start_n.to(tl.int64) * stride_vn
         if MASKED:
-            v = tl.load(v_block, mask=(cols[:, None] < Nk) & d_ok[None, :], other=0.0)
-        elif EVEN_D:
+            v = tl.load(v_block, mask=(cols[:, None] < Nk) & dv_ok[None, :], other=0.0)
+        elif EVEN_DV:
             v = tl.load(v_block)
         else:
-            v = tl.load(v_block, mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_block, mask=dv_ok[None, :], other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         if HALVES:
             p2, acc2, m2, l2 = _softmax_step(s2, acc2, m2, l2, rows2, cols, qk_scale, Nq, Nk, left, right,
@@ -125,9 +129,9 @@ def _attend_blocks(acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2,
 
 @triton.jit
 def _start_rows(Q, Sinks, offs, h0, row_start, q_start, b, stride_q, Nq, ROWS: tl.constexpr,
-                HEAD_DIM: tl.constexpr):
+                HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr):
     """Load the Q rows ``offs`` (R,) of the tile and start their softmax state: returns
-    ``(q, rows, acc, m_i, l_i)`` as :func:`_attend_blocks` takes them."""
+    ``(q, rows, acc, m_i, l_i)`` as :func:`_attend_blocks` takes them (acc: (R, DV_PAD))."""
     R: tl.constexpr = offs.shape[0]
     D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
     offs_d = tl.arange(0, D_PAD)
@@ -135,7 +139,7 @@ def _start_rows(Q, Sinks, offs, h0, row_start, q_start, b, stride_q, Nq, ROWS: t
     q_rows = b * stride_q[0] + heads.to(tl.int64) * stride_q[1] + tokens * stride_q[2]  # (R,)
     q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
                 other=0.0)  # (R, D_PAD)
-    acc = tl.zeros([R, D_PAD], dtype=tl.float32)
+    acc = tl.zeros([R, pad_head_dim(VALUE_DIM)], dtype=tl.float32)
     if Sinks is not None:
         # exp2(m) * l = exp(sink): the sink is already in the sum, with no value to carry
         m_i = tl.load(Sinks + heads) * _LOG2E  # (R,)
@@ -148,17 +152,18 @@ def _start_rows(Q, Sinks, offs, h0, row_start, q_start, b, stride_q, Nq, ROWS: t
 
 @triton.jit
 def _finish_rows(Out, Lse, acc, m_i, l_i, offs, h0, row_start, q_start, b, stride_o, stride_lse, Nq,
-                 ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Normalise and store the rows ``offs`` (R,) of the tile: Out in its dtype, the natural-log LSE."""
-    offs_d = tl.arange(0, pad_head_dim(HEAD_DIM))
+                 ROWS: tl.constexpr, VALUE_DIM: tl.constexpr):
+    """Normalise and store the rows ``offs`` (R,) of the tile: Out (VALUE_DIM wide) in its dtype, the
+    natural-log LSE."""
+    offs_d = tl.arange(0, pad_head_dim(VALUE_DIM))
     heads, rows, row_ok, tokens = tile_rows(offs, h0, row_start, q_start, Nq, ROWS)
     # rows that saw no key (and no sink) have l = 0 and acc = 0: divide by 1 to store exact zeros
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    out = (acc / l_safe[:, None]).to(Out.dtype.element_ty)  # (R, D_PAD)
+    out = (acc / l_safe[:, None]).to(Out.dtype.element_ty)  # (R, DV_PAD)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * _LN2)  # (R,) natural log
     o_rows = b * stride_o[0] + heads.to(tl.int64) * stride_o[1] + tokens * stride_o[2]  # (R,)
-    tl.store(Out + o_rows[:, None] + offs_d[None, :], out, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    tl.store(Out + o_rows[:, None] + offs_d[None, :], out, mask=row_ok[:, None] & (offs_d[None, :] < VALUE_DIM))
     tl.store(Lse + b * stride_lse[0] + heads.to(tl.int64) * stride_lse[1] + tokens, lse, mask=row_ok)
 
 
@@ -169,16 +174,16 @@ def _forward_kernel(
         Q, K, V, Sinks, Out, Lse, CuQ, CuK,
         stride_q, stride_k, stride_v, stride_o, stride_lse,
         group, Nq, Nk, left, right, sink_tokens, qk_scale,
-        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr,
-        HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
+        HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        PACK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
         FLAT: tl.constexpr, HALVES: tl.constexpr, PRECISION: tl.constexpr):
     """Grid ``(Hq // PACK, n_tiles, B)``, its first two axes swapped where :func:`tiles_fastest`.
 
-    Dense (CuQ, CuK None): Q, Out: (B, Hq, Nq, HEAD_DIM); K, V: (B, Hkv, Nk, HEAD_DIM); Lse: (B, Hq, Nq)
-    float32; n_tiles = cdiv(Nq, BLOCK_M // PACK).
+    Dense (CuQ, CuK None): Q: (B, Hq, Nq, HEAD_DIM); K: (B, Hkv, Nk, HEAD_DIM); V: (B, Hkv, Nk, VALUE_DIM);
+    Out: (B, Hq, Nq, VALUE_DIM); Lse: (B, Hq, Nq) float32; n_tiles = cdiv(Nq, BLOCK_M // PACK).
     Packed (CuQ, CuK: (B + 1,) int32): axis 2 is the sequence s, whose rows are ``CuQ[s] .. CuQ[s + 1]`` of
-    Q, Out: (total_q, Hq, HEAD_DIM) and keys ``CuK[s] .. CuK[s + 1]`` of K, V: (total_k, Hkv, HEAD_DIM)
-    (batch strides 0); Lse: (Hq, total_q); n_tiles covers the longest sequence and the tiles past a shorter
+    Q: (total_q, Hq, HEAD_DIM), Out: (total_q, Hq, VALUE_DIM) and keys ``CuK[s] .. CuK[s + 1]`` of
+    K: (total_k, Hkv, HEAD_DIM), V: (total_k, Hkv, VALUE_DIM) (batch strides 0); Lse: (Hq, total_q); n_tiles covers the longest sequence and the tiles past a shorter
     one exit at once; Nq, Nk are unused.
     ``stride_x``: the (batch, head, row) strides of x, whose last stride is 1; stride_lse: (batch, head),
     unit row stride. Hkv = Hq // group. Sinks: None or (Hq,) float32 learned sink logits.
@@ -191,6 +196,7 @@ def _forward_kernel(
     that one half's softmax overlaps the other half's products (BLOCK_M // 2 must still fill the MMA).
     """
     D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
+    DV_PAD: tl.constexpr = pad_head_dim(VALUE_DIM)
     VARLEN: tl.constexpr = CuQ is not None
     ROWS: tl.constexpr = BLOCK_M // PACK
     # Heads vary fastest, so the query heads of a GQA group run side by side and share K/V through L2, or
@@ -212,18 +218,18 @@ def _forward_kernel(
     offs_m = tl.arange(0, R)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
-    d_ok = offs_d < HEAD_DIM  # (D_PAD,) all true unless D is padded to a power of two
+    offs_dv = tl.arange(0, DV_PAD)
     q, rows, acc, m_i, l_i = _start_rows(Q, Sinks, offs_m, h0, row_start, q_start, b, stride_q, Nq, ROWS,
-                                         HEAD_DIM)
+                                         HEAD_DIM, VALUE_DIM)
     if HALVES:
         q2, rows2, acc2, m2, l2 = _start_rows(Q, Sinks, offs_m + R, h0, row_start, q_start, b, stride_q, Nq,
-                                              ROWS, HEAD_DIM)
+                                              ROWS, HEAD_DIM, VALUE_DIM)
     else:  # placeholders that _attend_blocks passes through untouched
         q2, rows2, acc2, m2, l2 = q, rows, acc, m_i, l_i
     k_first = b * stride_k[0] + h_kv * stride_k[1] + k_start * stride_k[2]
     v_first = b * stride_v[0] + h_kv * stride_v[1] + k_start * stride_v[2]
     k_ptrs = K + k_first + offs_n[None, :] * stride_k[2] + offs_d[:, None]  # (D_PAD, BLOCK_N) K^T
-    v_ptrs = V + v_first + offs_n[:, None] * stride_v[2] + offs_d[None, :]  # (BLOCK_N, D_PAD)
+    v_ptrs = V + v_first + offs_n[:, None] * stride_v[2] + offs_dv[None, :]  # (BLOCK_N, DV_PAD)
 
     sink_end, band_start, full_start, full_end, band_end = kv_range(
         row_start, Nq, Nk, left, right, sink_tokens, ROWS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -239,14 +245,14 @@ def _forward_kernel(
         if (segment > 0 or HAS_SINK_TOKENS) and (segment < 2 or not FLAT):
             acc, m_i, l_i, acc2, m2, l2 = _attend_blocks(
                 acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2, k_ptrs=k_ptrs, v_ptrs=v_ptrs,
-                stride_kn=stride_k[2], stride_vn=stride_v[2], offs_n=offs_n, d_ok=d_ok, block_lo=starts[segment],
+                stride_kn=stride_k[2], stride_vn=stride_v[2], offs_n=offs_n, block_lo=starts[segment],
                 block_hi=ends[segment], qk_scale=qk_scale, Nq=Nq, Nk=Nk, left=left, right=right,
-                sink_tokens=sink_tokens, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, HAS_LEFT=HAS_LEFT,
+                sink_tokens=sink_tokens, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM, BLOCK_N=BLOCK_N, HAS_LEFT=HAS_LEFT,
                 HAS_RIGHT=HAS_RIGHT, HAS_SINK_TOKENS=HAS_SINK_TOKENS, MASKED=segment != 2,
                 MAY_BE_EMPTY=Sinks is None, PRECISION=PRECISION, HALVES=HALVES)
 
     _finish_rows(Out, Lse, acc, m_i, l_i, offs_m, h0, row_start, q_start, b, stride_o, stride_lse, Nq, ROWS,
-                 HEAD_DIM)
+                 VALUE_DIM)
     if HALVES:
         _finish_rows(Out, Lse, acc2, m2, l2, offs_m + R, h0, row_start, q_start, b, stride_o, stride_lse, Nq, ROWS,
-                     HEAD_DIM)
+                     VALUE_DIM)
