@@ -15,15 +15,18 @@ import triton
 
 from ..pattern import Pattern
 
-# (largest head dim, BLOCK_M, BLOCK_N, num_warps, num_stages, HALVES); the first row whose head dim fits
-# wins, where a call's head dim is the wider of D and Dv. The D <= 128 rows are the fastest of
-# scripts/tune-forward's sweeps (benchmarks/NOTES.md, 'Forward switches' for D <= 64 with PACK_GQA, 'HALVES
-# at head dim 128' for D = 128); the D = 256 row is checked by compiling for sm_90 only (no register
-# spills). Wider heads (latent attention's 576 / 512) take short tiles that keep the (BLOCK_M, Dv)
-# accumulator and the (BLOCK_M, D) Q tile on chip: serving shapes, where K/V traffic sets the time.
+# (largest width, BLOCK_M, BLOCK_N, num_warps, num_stages, HALVES); the first row whose width fits wins,
+# where a call's width is the mean of its padded head dims D and Dv (:func:`width`), D itself when they
+# are equal. The D <= 128 rows are the fastest of scripts/tune-forward's sweeps (benchmarks/NOTES.md,
+# 'Forward switches' for D <= 64 with PACK_GQA, 'HALVES at head dim 128' for D = 128), and so is the 192
+# row for latent attention's D = 192, Dv = 128 ('Value head dim: tiles for D 192 / Dv 128'); the
+# D = 256 row is checked by compiling for sm_90 only (no register spills). Wider heads (latent decoding's
+# 576 / 512) take short tiles that keep the (BLOCK_M, Dv) accumulator and the Q tile on chip: serving
+# shapes, where K/V traffic sets the time.
 _FORWARD_16BIT = (
     (64, 128, 64, 4, 3, False),
     (128, 256, 64, 8, 4, True),
+    (192, 128, 64, 8, 3, False),
     (256, 128, 32, 8, 2, False),
     (512, 64, 32, 4, 2, False),
     (1024, 32, 16, 4, 2, False),
@@ -69,6 +72,13 @@ def _band_width(pattern: Pattern) -> int | None:
     return pattern.left + pattern.right + 1
 
 
+def width(head_dim: int, value_dim: int | None = None) -> int:
+    """The head width the tile tables are keyed by: the mean of the padded D and Dv (D's padded width when
+    they are equal). The Q tile and the K stages hold D lanes, the V stages and the accumulators Dv, so the
+    mean tracks the shared memory and registers a tile needs."""
+    return (pad_head_dim(head_dim) + pad_head_dim(value_dim or head_dim)) // 2
+
+
 @functools.lru_cache(maxsize=16)
 def _major(device: torch.device) -> int:
     """The compute capability's major version (9: Hopper), asked once per device: every call's config
@@ -87,7 +97,7 @@ def forward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device, 
     """
     if torch.device(device).type != "cuda":
         return dict(_FORWARD_INTERPRETER, PACK_GQA=1, FLAT=False)
-    head_dim = max(head_dim, value_dim or head_dim)  # the tiles fit the wider of the two
+    head_dim = width(head_dim, value_dim)
     table = _FORWARD_FP32 if dtype == torch.float32 else _FORWARD_16BIT
     block_m, block_n, num_warps, num_stages, halves = next(row[1:] for row in table if head_dim <= row[0])
     band = _band_width(pattern)
@@ -203,6 +213,7 @@ _BACKWARD_16BIT = (
     (64, True, (64, 64, 4, 3, False), (64, 64, 4, 2, False)),   # narrow window: a KV tile is seen by few Q tiles
     (64, False, (64, 64, 4, 3, True), (128, 64, 8, 2, True)),
     (128, False, (64, 128, 8, 3, False), (128, 64, 8, 3, True)),
+    (192, False, (32, 128, 8, 2, False), (128, 64, 8, 2, True)),  # D 192 / Dv 128 (NOTES: 'Value head dim: ...')
     (256, False, (16, 32, 4, 1, False), (32, 32, 4, 1, False)),
     (1024, False, (16, 16, 4, 1, False), (16, 16, 4, 1, False)),  # latent attention's widths: correct, not fast
 )
@@ -224,8 +235,7 @@ def backward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device,
     """
     if torch.device(device).type != "cuda":
         return BackwardConfig(16, 32, 32, 16, dkdv_warps=1, dq_warps=1)
-    head_dim = max(head_dim, value_dim or head_dim)  # the tiles fit the wider of the two
-    d_pad = pad_head_dim(head_dim)
+    head_dim = d_pad = width(head_dim, value_dim)
     if dtype == torch.float32:  # IEEE dots run on FMA units and float32 tiles take twice the registers
         if d_pad > 128:
             return BackwardConfig(16, 16, 16, 16)
