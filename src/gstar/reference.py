@@ -172,6 +172,8 @@ def tiled_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale
     dq = torch.empty_like(q)
     dk = torch.zeros(k.shape, dtype=stat, device=k.device)                  # (B, Hkv, Nk, D)
     dv = torch.zeros(v.shape, dtype=stat, device=v.device)                  # (B, Hkv, Nk, Dv)
+    # dsinks take delta as rowsum(P * dP) - dLSE, as the kernels do: the same value without O's rounding
+    pdp = torch.zeros_like(delta)                                           # (B, Hq, Nq)
     for r0, blocks in _tiles(pattern, tile):
         rows = slice(r0, min(r0 + tile, Nq))
         q_t = q[:, :, rows].unflatten(1, (Hkv, -1)).to(stat)                # (B, Hkv, G, bm, D)
@@ -179,18 +181,21 @@ def tiled_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale
         lse_t = lse_safe[:, :, rows].unflatten(1, (Hkv, -1))[..., None]     # (B, Hkv, G, bm, 1)
         delta_t = delta[:, :, rows].unflatten(1, (Hkv, -1))[..., None]
         dq_t = torch.zeros_like(q_t)
+        pdp_t = pdp[:, :, rows].unflatten(1, (Hkv, -1))                     # (B, Hkv, G, bm), a view
         for b, masked in blocks:
             s, keys = _scores(pattern, q_t, k, r0, b, masked, scale, tile)
             p = torch.exp(s - lse_t)                                         # (B, Hkv, G, bm, bn)
             dv[:, :, keys] += torch.einsum("bhgmn,bhgmd->bhnd", p, do_t)
             dp = do_t @ v[:, :, None, keys].to(stat).transpose(-1, -2)
             ds = p * (dp - delta_t)
+            pdp_t += (p * dp).sum(dim=-1)
             dq_t += ds @ k[:, :, None, keys].to(stat) * scale
             dk[:, :, keys] += torch.einsum("bhgmn,bhgmd->bhnd", ds, q_t) * scale
         dq[:, :, rows] = dq_t.flatten(1, 2).to(q.dtype)
     dsinks = None
     if sinks is not None:
-        dsinks = -(torch.exp(sinks.to(stat).view(1, Hq, 1) - lse.to(stat)) * delta).sum(dim=(0, 2))
+        exact = pdp if dlse is None else pdp - dlse.to(stat)
+        dsinks = -(torch.exp(sinks.to(stat).view(1, Hq, 1) - lse.to(stat)) * exact).sum(dim=(0, 2))
     return dq, _in_layout_of(k, dk), _in_layout_of(v, dv), dsinks
 
 

@@ -333,13 +333,14 @@ def _sum_partials(PK, PV, DK, DV, FIRST, stride_dk, stride_dv, Hkv, nk, head_spl
 
 @triton.jit
 def _dq_step(
-    dq, q, do, lse2, delta, K, V, seq, kv_head, n_start, stride_kn, stride_vn, offs_m,
+    dq, pdp, q, do, lse2, delta, K, V, seq, kv_head, n_start, stride_kn, stride_vn, offs_m,
     nq, nk, left, right, sink_tokens, qk_scale,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, TMA: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, ROW_SUMS: tl.constexpr,
 ):
-    """Adds one KV block's contribution to dq (BLOCK_M, D_PAD) float32.
+    """Adds one KV block's contribution to dq (BLOCK_M, D_PAD) float32 and, with ROW_SUMS, to
+    pdp (BLOCK_M,) float32, the rows' sums of P * dP.
 
     q: (BLOCK_M, D_PAD) and do: (BLOCK_M, DV_PAD) of query positions ``offs_m`` (BLOCK_M,); lse2, delta:
     (BLOCK_M,); K, V point at key 0 of the kv head, or with TMA are descriptors over (B, Hkv, Nk, HEAD_DIM)
@@ -356,8 +357,10 @@ def _dq_step(
         p = tl.where(ok, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)                              # (BLOCK_M, BLOCK_N)
     ds = p * (dp - delta[:, None])
+    if ROW_SUMS:
+        pdp += tl.sum(p * dp, 1)
     dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-    return dq
+    return dq, pdp
 
 
 @triton.jit
@@ -382,7 +385,9 @@ def _dq(
     rows' statistics, ``delta = rowsum(dO * O) - dLSE`` and the base-2 LSE, and stores them to DELTA and LSE2
     for ``_dkdv`` (launched after it). With learned sinks (Sinks: (Hq,) float32, else None) it also stores
     this tile's share of dsinks[h] for each of its heads, ``-sum_rows exp(sinks[h] - lse) * delta``, to
-    DSINKS: (B, n_tiles, Hq) float32.
+    DSINKS: (B, n_tiles, Hq) float32, with delta summed as ``rowsum(P * dP) - dLSE`` over the blocks it
+    visits: equal to the above in exact arithmetic, without the rounding of O to the input dtype, which
+    a sum over every row of a head would add up (benchmarks/NOTES.md, 'dsinks from P * dP').
     TMA (dense only): K and V are tensor descriptors moving (1, 1, BLOCK_N, D_PAD) and (1, 1, BLOCK_N,
     DV_PAD) tiles.
     """
@@ -419,19 +424,17 @@ def _dq(
     do = tl.load(DO + do_rows[:, None] + offs_dv[None, :], mask=value_ok, other=0.0)    # (BLOCK_M, DV_PAD)
     o = tl.load(O + o_rows[:, None] + offs_dv[None, :], mask=value_ok, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)                        # (BLOCK_M,)
+    dlse = tl.zeros([BLOCK_M], dtype=tl.float32)
     if DLSE is not None:
         dlse_rows = b * stride_dlse[0] + heads * stride_dlse[1] + tokens * stride_dlse[2]
-        delta -= tl.load(DLSE + dlse_rows, mask=rows, other=0.0).to(tl.float32)
+        dlse = tl.load(DLSE + dlse_rows, mask=rows, other=0.0).to(tl.float32)
+        delta -= dlse
     row_ptr = b * stride_lse[0] + heads * stride_lse[1] + tokens                        # (BLOCK_M,)
     # an empty row (lse = -inf, no sinks) sees no key, so it only meets masked tiles: there exp2(s - lse2)
     # is +inf (never NaN, s is finite) and the mask replaces it by 0; rows past the end get +inf, so 0
     lse2 = tl.load(LSE + row_ptr, mask=rows, other=float("inf")) * _LOG2E               # (BLOCK_M,)
     tl.store(DELTA + row_ptr, delta, mask=rows)
     tl.store(LSE2 + row_ptr, lse2, mask=rows)
-    if HAS_SINKS:
-        # with sinks every lse is finite (>= sinks[h]); rows past the end have delta = 0 and lse2 = inf
-        p_sink = tl.math.exp2(tl.load(Sinks + heads) * _LOG2E - lse2)                   # (BLOCK_M,)
-        tl.store(dsink_slots, -tl.sum(tl.reshape(p_sink * delta, (PACK, ROWS)), axis=1))
     k_head, v_head = _head_rows(K, V, b, hkv, k_start, stride_k, stride_v, TMA)
     kv_head = hkv.to(tl.int32)
     if VARLEN:
@@ -440,26 +443,31 @@ def _dq(
     else:  # the host table, as in _dkdv
         sink_end, band_start, full_start, full_end, band_end = _table_row(KVTABLE, pid_m)
     dq = tl.zeros((BLOCK_M, D_PAD), dtype=tl.float32)
+    pdp = tl.zeros([BLOCK_M], dtype=tl.float32)  # rowsum(P * dP), summed for dsinks only
     if FLAT:  # one pipelined loop over the sink blocks then the band, every block masked
         for i in range(0, sink_end + band_end - band_start):
             n = tl.where(i < sink_end, i, band_start + i - sink_end)
-            dq = _dq_step(
-                dq, q, do, lse2, delta, k_head, v_head, seq, kv_head, n * BLOCK_N, stride_kn=stride_k[2],
+            dq, pdp = _dq_step(
+                dq, pdp, q, do, lse2, delta, k_head, v_head, seq, kv_head, n * BLOCK_N, stride_kn=stride_k[2],
                 stride_vn=stride_v[2], offs_m=pos, nq=nq, nk=nk, left=left, right=right, sink_tokens=sink_tokens,
                 qk_scale=qk_scale, MASKED=True, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT,
                 HAS_SINK_TOKENS=HAS_SINK_TOKENS, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM, TMA=TMA,
-                PRECISION=PRECISION)
+                PRECISION=PRECISION, ROW_SUMS=HAS_SINKS)
     else:
         # sink blocks, then the band's masked edge, unmasked interior and masked edge: one loop each
         starts = (0, band_start, full_start, full_end)
         ends = (sink_end, full_start, full_end, band_end)
         for r in tl.static_range(4):
             for n in range(starts[r], ends[r]):
-                dq = _dq_step(
-                    dq, q, do, lse2, delta, k_head, v_head, seq, kv_head, n * BLOCK_N, stride_kn=stride_k[2],
+                dq, pdp = _dq_step(
+                    dq, pdp, q, do, lse2, delta, k_head, v_head, seq, kv_head, n * BLOCK_N, stride_kn=stride_k[2],
                     stride_vn=stride_v[2], offs_m=pos, nq=nq, nk=nk, left=left, right=right,
                     sink_tokens=sink_tokens, qk_scale=qk_scale, MASKED=r != 2, HAS_LEFT=HAS_LEFT,
                     HAS_RIGHT=HAS_RIGHT, HAS_SINK_TOKENS=HAS_SINK_TOKENS, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
-                    VALUE_DIM=VALUE_DIM, TMA=TMA, PRECISION=PRECISION)
+                    VALUE_DIM=VALUE_DIM, TMA=TMA, PRECISION=PRECISION, ROW_SUMS=HAS_SINKS)
     dq_rows = b * stride_dq[0] + heads * stride_dq[1] + tokens * stride_dq[2]           # (BLOCK_M,)
     tl.store(DQ + dq_rows[:, None] + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=tile_ok)
+    if HAS_SINKS:
+        # with sinks every lse is finite (>= sinks[h]); rows past the end have pdp = dlse = 0 and lse2 = inf
+        p_sink = tl.math.exp2(tl.load(Sinks + heads) * _LOG2E - lse2)                   # (BLOCK_M,)
+        tl.store(dsink_slots, -tl.sum(tl.reshape(p_sink * (pdp - dlse), (PACK, ROWS)), axis=1))
