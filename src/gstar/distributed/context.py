@@ -1,0 +1,54 @@
+"""``with gstar.distributed.context_parallel(group): ...``: Hugging Face's ``"gstar"`` attention, context-parallel.
+
+Inside the block every attention layer of a model loaded with ``attn_implementation="gstar"`` takes its
+q, k, v as this rank's shard of each sequence and runs :func:`context_parallel_attention`. The model sees
+only its shard: input ids and position ids (hence rotary positions) must be sharded alike with
+:func:`gstar.distributed.shard_sequence`; labels must be shifted on the whole sequence before they are
+sharded, since a shard's last token predicts the first token of another rank's shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import NamedTuple
+
+from .attention import context_parallel_attention
+from .layout import check_layout
+
+
+class Setting(NamedTuple):
+    group: object
+    layout: str
+
+    def attention(self, query, key, value, *, causal, window, sinks, scale, attention_mask, packed):
+        """The attention of one layer: query ``(B, Hq, n, D)``, key, value ``(B, Hkv, n, D|Dv)`` -> ``(B, n,
+        Hq, Dv)``, as transformers expects."""
+        if attention_mask is not None:
+            raise ValueError("gstar context parallel attention takes no padding mask: shard unpadded sequences "
+                             "of one length (pass attention_mask=None)")
+        if packed:
+            raise ValueError("gstar context parallel attention does not take packed documents (cu_seq_lens): "
+                             "shard one sequence per row")
+        out = context_parallel_attention(query, key, value, group=self.group, layout=self.layout, causal=causal,
+                                         window=window, sinks=sinks, scale=scale)
+        return out.transpose(1, 2)
+
+
+_ACTIVE: contextvars.ContextVar[Setting | None] = contextvars.ContextVar("gstar_context_parallel", default=None)
+
+
+@contextlib.contextmanager
+def context_parallel(group=None, layout: str = "zigzag"):
+    """Run ``attn_implementation="gstar"`` layers context-parallel over ``group`` (default: the default group)
+    with the given layout, for the forward passes inside the block (their backward needs no context)."""
+    token = _ACTIVE.set(Setting(group, check_layout(layout)))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active() -> Setting | None:
+    """The innermost :func:`context_parallel` setting, or None outside one."""
+    return _ACTIVE.get()
