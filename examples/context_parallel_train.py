@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     log = print if rank == 0 else (lambda *a: None)

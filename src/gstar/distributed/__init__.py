@@ -14,5 +14,5 @@ from .context import context_parallel
 from .exchange import reset_traffic, traffic
 from .layout import LAYOUTS, gather_sequence, shard_sequence
 
-__all__ = ["context_parallel_attention", "context_parallel", "shard_sequence", "gather_sequence", "traffic",
-           "reset_traffic", "LAYOUTS"]
+__all__ = ["LAYOUTS", "context_parallel", "context_parallel_attention", "gather_sequence", "reset_traffic",
+           "shard_sequence", "traffic"]

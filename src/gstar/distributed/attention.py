@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .. import api, ops
+from .. import api
 from ..pattern import Pattern
 from . import halo, ring
 from .exchange import Peers

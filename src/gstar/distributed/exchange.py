@@ -48,7 +48,7 @@ class Peers(NamedTuple):
     global_ranks: tuple    # global rank of each group rank (P2P ops name global ranks)
 
     @staticmethod
-    def of(group) -> "Peers":
+    def of(group) -> Peers:
         world = dist.get_world_size(group)
         ranks = tuple(range(world)) if group is None else tuple(dist.get_global_rank(group, r) for r in range(world))
         return Peers(group, dist.get_rank(group), world, ranks)
