@@ -8,6 +8,7 @@ for bad input, the Hugging Face context manager (examples/context_parallel_train
 benchmark script at a tiny size. Ranks live in pools started once per world size (tests/distributed_pool.py).
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -165,3 +166,22 @@ def test_two_gpus(pools, layout, pattern):
                                                               pattern=pattern))):
         for name, error, allowed in checks:
             assert error <= allowed, f"rank {rank}: {name} error {error:.3g} > {allowed:.3g}"
+
+
+def test_benchmark_script_runs_on_cpu(tmp_path):
+    """scripts/bench-cp under torchrun with 2 gloo ranks at a tiny size: every gstar row is timed and agrees
+    with the one-device run, the window rows send only halos, and the JSON carries the world size."""
+    out = tmp_path / "cp.json"
+    result = _torchrun(["scripts/bench-cp", "--seqlen", "128", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
+                        "--window", "5", "--warmup", "0", "--iters", "1", "--json", str(out)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads(out.read_text())
+    assert data["environment"]["world_size"] == 2
+    rows = [r for r in data["rows"] if r["impl"].startswith("gstar")]
+    assert len(rows) == 7 and all(r["time_ms"] > 0 for r in rows)
+    shard_kv = 64 * 2 * 2 * 8 * 4  # bytes of one rank's K and V: 64 tokens, 2 kv heads, head dim 8, float32
+    for r in rows:
+        if r["impl"] == "gstar, context parallel":
+            assert r["max_error"] < 1e-4, r
+            moved = max(r["sent_bytes"])
+            assert moved < shard_kv if "window" in r else moved >= 2 * shard_kv, r  # halos, or the ring
