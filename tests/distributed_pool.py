@@ -96,7 +96,8 @@ class Pool:
 # Each takes (rank, world, **keywords) and runs on every rank of the pool.
 
 
-def attention(rank, world, *, layout, n_local, heads, pattern, learned_sinks, batch=2, head_dim=8, seed=0):
+def attention(rank, world, *, layout, n_local, heads, pattern, learned_sinks, batch=2, head_dim=8, value_dim=8,
+              seed=0):
     """context_parallel_attention in float64 against gstar on the whole sequence (the same seeded tensors
     on every rank): the largest error of out, LSE, dq, dk, dv (this rank's shard) and dsinks (summed over
     ranks), of the gathered output, and the bytes sent by the forward and the backward."""
@@ -113,9 +114,9 @@ def attention(rank, world, *, layout, n_local, heads, pattern, learned_sinks, ba
     def rand(*shape):
         return torch.randn(*shape, generator=g, dtype=torch.float64)
 
-    q, k, v = rand(batch, Hq, n, head_dim), rand(batch, Hkv, n, head_dim), rand(batch, Hkv, n, head_dim)
+    q, k, v = rand(batch, Hq, n, head_dim), rand(batch, Hkv, n, head_dim), rand(batch, Hkv, n, value_dim)
     sinks = rand(Hq) * 2 if learned_sinks else None
-    dout, dlse = rand(batch, Hq, n, head_dim), rand(batch, Hq, n)
+    dout, dlse = rand(batch, Hq, n, value_dim), rand(batch, Hq, n)
     whole = [t.clone().requires_grad_() for t in (q, k, v)] + ([sinks.clone().requires_grad_()] if learned_sinks else [])
     out, lse = gstar.flash_attention(*whole[:3], sinks=whole[3] if learned_sinks else None, return_lse=True, **pattern)
     ref = [out, lse, *torch.autograd.grad((out, lse), whole, (dout, dlse))]

@@ -2,7 +2,7 @@
 
 Every pattern the exchanges distinguish (full causal and bidirectional through the ring; causal windows
 narrower and wider than a shard, with and without sink tokens, through the halo exchange; learned sinks;
-GQA) under both layouts, at odd chunk lengths: out, LSE, dq, dk, dv of each shard and dsinks summed over
+GQA, a value head dim other than q's) under both layouts, at odd chunk lengths: out, LSE, dq, dk, dv of each shard and dsinks summed over
 ranks, in float64, equal to the whole sequence's to rounding. Also the bytes each exchange moves, the errors
 for bad input, the Hugging Face context manager (examples/context_parallel_train.py's loop) and the
 benchmark script at a tiny size. Ranks live in pools started once per world size (tests/distributed_pool.py).
@@ -56,14 +56,15 @@ PATTERNS = {  # id: (keywords, learned sinks)
 }
 
 
-@pytest.mark.parametrize("world, layout, n_local, pattern, learned_sinks, heads", grid(
+@pytest.mark.parametrize("world, layout, n_local, pattern, learned_sinks, heads, value_dim", grid(
     {"2ranks": (2,), "4ranks": (4,)},
     {"contiguous": ("contiguous", 7), "zigzag": ("zigzag", 10)},   # zigzag: chunks of 5
     PATTERNS,
-    {"gqa": ((4, 2),), "mha": ((2, 2),), "mqa": ((3, 1),)}))
-def test_matches_whole_sequence(pools, world, layout, n_local, pattern, learned_sinks, heads):
+    {"gqa": ((4, 2), 8), "mha": ((2, 2), 8), "mqa-dv12": ((3, 1), 12)}))   # value head dim 12, q/k 8
+def test_matches_whole_sequence(pools, world, layout, n_local, pattern, learned_sinks, heads, value_dim):
     for rank, result in enumerate(_values(pools(world).run(
-            "attention", layout=layout, n_local=n_local, heads=heads, pattern=pattern, learned_sinks=learned_sinks))):
+            "attention", layout=layout, n_local=n_local, heads=heads, value_dim=value_dim, pattern=pattern,
+            learned_sinks=learned_sinks))):
         for name, error in result["errors"].items():
             assert error <= EXACT, f"rank {rank}: {name} error {error:.3g}"
 
