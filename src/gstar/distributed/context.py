@@ -10,7 +10,6 @@ sharded, since a shard's last token predicts the first token of another rank's s
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import NamedTuple
 
 from .attention import context_parallel_attention
@@ -35,20 +34,22 @@ class Setting(NamedTuple):
         return out.transpose(1, 2)
 
 
-_ACTIVE: contextvars.ContextVar[Setting | None] = contextvars.ContextVar("gstar_context_parallel", default=None)
+# the settings of the open blocks, innermost last: a plain list, which torch.compile reads without a graph
+# break (it cannot trace a ContextVar); blocks are process-wide, as a process holds one rank
+_ACTIVE: list[Setting] = []
 
 
 @contextlib.contextmanager
 def context_parallel(group=None, layout: str = "zigzag"):
     """Run ``attn_implementation="gstar"`` layers context-parallel over ``group`` (default: the default group)
     with the given layout, for the forward passes inside the block (their backward needs no context)."""
-    token = _ACTIVE.set(Setting(group, check_layout(layout)))
+    _ACTIVE.append(Setting(group, check_layout(layout)))
     try:
         yield
     finally:
-        _ACTIVE.reset(token)
+        _ACTIVE.pop()
 
 
 def active() -> Setting | None:
     """The innermost :func:`context_parallel` setting, or None outside one."""
-    return _ACTIVE.get()
+    return _ACTIVE[-1] if _ACTIVE else None

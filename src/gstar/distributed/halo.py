@@ -106,10 +106,14 @@ def plan(n_local: int, world: int, rank: int, layout: str, left: int, sink_token
     return Plan(mine, tuple(sends), tuple(receives))
 
 
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """(B, H, n_i, d) tensors concatenated along n (the one tensor itself, no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
 def _rows(t: torch.Tensor, pieces) -> torch.Tensor:
     """The pieces' rows of t (B, H, n, d), concatenated along n."""
-    parts = [t.narrow(2, p.local, p.length) for p in pieces]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+    return _joined([t.narrow(2, p.local, p.length) for p in pieces])
 
 
 def _fetch(p: Plan, spec, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -130,17 +134,13 @@ def _fetch(p: Plan, spec, tensors: list[torch.Tensor]) -> list[list[torch.Tensor
                 else:
                     parts.append(arrived[piece.owner].narrow(2, cursor[piece.owner], piece.length))
                     cursor[piece.owner] += piece.length
-            calls.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+            calls.append(_joined(parts))
         per_tensor.append(calls)
     return per_tensor
 
 
 def _plan(spec) -> Plan:
     return plan(spec.n_local, spec.peers.world, spec.peers.rank, spec.layout, spec.left, spec.sink_tokens)
-
-
-def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
 def forward(q, k, v, sinks, spec):
