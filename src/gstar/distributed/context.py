@@ -19,6 +19,7 @@ from .layout import check_layout
 class Setting(NamedTuple):
     group: object
     layout: str
+    check_ranks: bool
 
     def attention(self, query, key, value, *, causal, window, sinks, scale, attention_mask, packed):
         """The attention of one layer: query ``(B, Hq, n, D)``, key, value ``(B, Hkv, n, D|Dv)`` -> ``(B, n,
@@ -30,7 +31,7 @@ class Setting(NamedTuple):
             raise ValueError("gstar context parallel attention does not take packed documents (cu_seq_lens): "
                              "shard one sequence per row")
         out = context_parallel_attention(query, key, value, group=self.group, layout=self.layout, causal=causal,
-                                         window=window, sinks=sinks, scale=scale)
+                                         window=window, sinks=sinks, scale=scale, check_ranks=self.check_ranks)
         return out.transpose(1, 2)
 
 
@@ -40,10 +41,11 @@ _ACTIVE: list[Setting] = []
 
 
 @contextlib.contextmanager
-def context_parallel(group=None, layout: str = "zigzag"):
+def context_parallel(group=None, layout: str = "zigzag", check_ranks: bool = True):
     """Run ``attn_implementation="gstar"`` layers context-parallel over ``group`` (default: the default group)
-    with the given layout, for the forward passes inside the block (their backward needs no context)."""
-    _ACTIVE.append(Setting(group, check_layout(layout)))
+    with the given layout, for the forward passes inside the block (their backward needs no context).
+    ``check_ranks`` as in :func:`context_parallel_attention` (one small all-gather per layer when True)."""
+    _ACTIVE.append(Setting(group, check_layout(layout), check_ranks))
     try:
         yield
     finally:
