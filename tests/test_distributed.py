@@ -22,7 +22,7 @@ from tiers import grid
 import gstar.distributed as gd
 
 ROOT = Path(__file__).resolve().parents[1]
-EXACT = 1e-12  # float64 on both sides: the orders of summation differ, nothing else
+EXACT = 1e-12  # relative error, float64 on both sides: the orders of summation differ, nothing else
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +67,20 @@ def test_matches_whole_sequence(pools, world, layout, n_local, pattern, learned_
             learned_sinks=learned_sinks))):
         for name, error in result["errors"].items():
             assert error <= EXACT, f"rank {rank}: {name} error {error:.3g}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tier: the interpreter (GPUs run test_two_gpus)")
+@pytest.mark.parametrize("layout, pattern, learned_sinks", [
+    ("zigzag", dict(causal=True), True), ("contiguous", dict(causal=True, window=(5, 0), sink_tokens=2), True)],
+    ids=["ring", "halo"])
+def test_triton_kernels(pools, layout, pattern, learned_sinks):
+    """The exchanges feed the Triton kernels (here under the interpreter) their strided slices: float32
+    against the float64 whole sequence, within the float32 bar (relative error below 1e-4)."""
+    for rank, result in enumerate(_values(pools(2).run(
+            "attention", layout=layout, n_local=16, heads=(2, 1), head_dim=16, value_dim=16, batch=1,
+            pattern=pattern, learned_sinks=learned_sinks, dtype="float32", backend="triton"))):
+        for name, error in result["errors"].items():
+            assert error < 1e-4, f"rank {rank}: {name} error {error:.3g}"
 
 
 def _kv_bytes(rows, batch=2, kv_heads=2, head_dim=8, itemsize=8):
