@@ -6,15 +6,17 @@ causal masks, GQA, sliding windows, sink tokens and learned sinks, on dense and 
   :func:`cu_seqlens_from_mask`, :func:`cu_seqlens_from_position_ids`, :func:`unpad`, :func:`pad` and
   :func:`check_cu_seqlens_values` prepare them;
 - :func:`tiled_attention`: the PyTorch path on any device; :func:`naive_attention`: the oracle;
-- ``import gstar.integrations.transformers``: ``attn_implementation="gstar"`` for Hugging Face models.
+- ``import gstar.integrations.transformers``: ``attn_implementation="gstar"`` for Hugging Face models;
+- :mod:`gstar.distributed`: one sequence sharded over the ranks of a ``torch.distributed`` group.
 
 The rule and the conventions are in docs/design.md; examples/quickstart.py runs each entry point.
 """
 
+from . import distributed
 from .api import check_cu_seqlens_values, flash_attention, flash_attention_varlen, tiled_attention
 from .reference import naive_attention
 from .varlen import cu_seqlens_from_mask, cu_seqlens_from_position_ids, pad, unpad
 
-__all__ = ["flash_attention", "flash_attention_varlen", "check_cu_seqlens_values", "naive_attention",
+__all__ = ["distributed", "flash_attention", "flash_attention_varlen", "check_cu_seqlens_values", "naive_attention",
            "tiled_attention", "cu_seqlens_from_mask", "cu_seqlens_from_position_ids", "pad", "unpad"]
 __version__ = "0.1.0"

@@ -44,6 +44,7 @@ except ImportError:
     from transformers.masking_utils import AttentionMaskInterface
 
 from ..api import check_cu_seqlens_values, flash_attention, flash_attention_varlen
+from ..distributed import context as context_parallel
 from ..varlen import cu_seqlens_from_mask, cu_seqlens_from_position_ids, pad, unpad
 
 NAME = "gstar"
@@ -194,6 +195,10 @@ def gstar_attention_forward(module, query, key, value, attention_mask, scaling=N
         raise ValueError(f"gstar attention takes no {attention_mask.dim()}-D custom attention mask (only the "
                          f"2-D padding mask): it expresses causal, sliding-window, padding and packing masks "
                          f"itself; use attn_implementation='eager' for arbitrary masks")
+    setting = context_parallel.active()
+    if setting is not None:  # inside gstar.distributed.context_parallel: this rank holds a shard of the sequence
+        return setting.attention(query, key, value, causal=causal, window=window, sinks=s_aux, scale=scaling,
+                                 attention_mask=attention_mask, packed=cu_seq_lens_q is not None), None
     opts = dict(causal=causal, window=window, sinks=s_aux, scale=scaling)
 
     if attention_mask is not None:
