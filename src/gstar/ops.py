@@ -80,13 +80,13 @@ def _backend_fns(backend: str):
     return attention_forward, attention_backward
 
 
-def _stat(dtype: torch.dtype) -> torch.dtype:
+def stat_dtype(dtype: torch.dtype) -> torch.dtype:
     """dtype of LSE and of the sinks the backends take: float32, or float64 for float64 inputs."""
     return torch.promote_types(dtype, torch.float32)
 
 
 def _stat_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
-    return None if sinks is None else sinks.to(_stat(q.dtype))
+    return None if sinks is None else sinks.to(stat_dtype(q.dtype))
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -104,13 +104,13 @@ def _empty_result(q: torch.Tensor, width: int, sinks: torch.Tensor | None, packe
     ``-inf`` or the sink logit."""
     B, Hq, Nq, _ = q.shape
     out = (empty_packed_like if packed else empty_like)(q, width=width).zero_()     # (B, Hq, Nq, Dv)
-    lse = torch.full((B, Hq, Nq), -torch.inf, dtype=_stat(q.dtype), device=q.device)
+    lse = torch.full((B, Hq, Nq), -torch.inf, dtype=stat_dtype(q.dtype), device=q.device)
     if sinks is not None:
         lse.copy_(sinks.view(1, Hq, 1).expand(B, Hq, Nq))
     return out, lse
 
 
-def _forward(inputs: Inputs, options: Options) -> tuple[torch.Tensor, torch.Tensor]:
+def run_forward(inputs: Inputs, options: Options) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns out, q's shape with v's head dim Dv and q's dtype (dense: q's memory layout; packed:
     contiguous), and lse, (B, Hq, Nq) or packed (Hq, total_q), float32 (float64 for float64 inputs)."""
     q, k, v, sinks, cu_q, cu_k = inputs
@@ -126,9 +126,9 @@ def _forward(inputs: Inputs, options: Options) -> tuple[torch.Tensor, torch.Tens
     return (_packed(out), lse[0]) if packed else (out, lse)
 
 
-def _backward(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
-              inputs: Inputs, options: Options):
-    """Gradients ``(dq, dk, dv, dsinks)`` of :func:`_forward` for the upstream ``dout`` (out's shape, unit
+def run_backward(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
+                 inputs: Inputs, options: Options):
+    """Gradients ``(dq, dk, dv, dsinks)`` of :func:`run_forward` for the upstream ``dout`` (out's shape, unit
     last stride) and ``dlse`` (lse's shape, or None): dq, dk, dv in the layouts of q, k, v (packed:
     contiguous), dsinks ``(Hq,)`` float32 (float64 for float64 inputs), None without sinks."""
     q, k, v, sinks, cu_q, cu_k = inputs
@@ -149,16 +149,16 @@ def _backward(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dlse: to
 
 def _no_sink_grad(q: torch.Tensor) -> torch.Tensor:
     """The backward op's dsinks without sinks: a schema returns tensors, so (0,) stands for None."""
-    return q.new_empty((0,), dtype=_stat(q.dtype))
+    return q.new_empty((0,), dtype=stat_dtype(q.dtype))
 
 
 def _forward_op(*args):
-    return _forward(*_named(args))
+    return run_forward(*_named(args))
 
 
 def _backward_op(dout, out, lse, dlse, *args):
     inputs, options = _named(args)
-    dq, dk, dv, dsinks = _backward(dout, out, lse, dlse, inputs, options)
+    dq, dk, dv, dsinks = run_backward(dout, out, lse, dlse, inputs, options)
     return dq, dk, dv, _no_sink_grad(inputs.q) if dsinks is None else dsinks
 
 
@@ -175,8 +175,8 @@ def _(*args):
     q, Dv = inputs.q, inputs.v.shape[-1]
     if inputs.cu_seqlens_q is None:
         B, Hq, Nq, _ = q.shape
-        return layout_like(q, width=Dv), q.new_empty((B, Hq, Nq), dtype=_stat(q.dtype))
-    return q.new_empty((*q.shape[:-1], Dv)), q.new_empty((q.shape[1], q.shape[0]), dtype=_stat(q.dtype))
+        return layout_like(q, width=Dv), q.new_empty((B, Hq, Nq), dtype=stat_dtype(q.dtype))
+    return q.new_empty((*q.shape[:-1], Dv)), q.new_empty((q.shape[1], q.shape[0]), dtype=stat_dtype(q.dtype))
 
 
 @backward_op.register_fake
@@ -187,7 +187,7 @@ def _(dout, out, lse, dlse, *args):
         grads = [torch.empty_like(t) for t in (q, inputs.k, inputs.v)]
     else:  # packed gradients are contiguous
         grads = [t.new_empty(t.shape) for t in (q, inputs.k, inputs.v)]
-    dsinks = _no_sink_grad(q) if sinks is None else q.new_empty(sinks.shape, dtype=_stat(q.dtype))
+    dsinks = _no_sink_grad(q) if sinks is None else q.new_empty(sinks.shape, dtype=stat_dtype(q.dtype))
     return (*grads, dsinks)
 
 
@@ -237,8 +237,8 @@ class _Eager(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, options: Options):
         inputs = Inputs(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k)
-        output = _forward(inputs, options)
-        _save(ctx, inputs, options, output, _backward)
+        output = run_forward(inputs, options)
+        _save(ctx, inputs, options, output, run_backward)
         return output
 
     @staticmethod
@@ -248,7 +248,7 @@ class _Eager(torch.autograd.Function):
 
 def attention(q, k, v, sinks, options: Options, cu_seqlens_q=None, cu_seqlens_k=None):
     """``(out, lse)`` of validated inputs, differentiable in q, k, v, sinks and lse (shapes as in
-    :class:`Inputs` and :func:`_forward`): the ``gstar::attention_forward`` operator while
+    :class:`Inputs` and :func:`run_forward`): the ``gstar::attention_forward`` operator while
     ``torch.compile`` traces, the same functions through a plain ``autograd.Function`` otherwise."""
     if torch.compiler.is_compiling():
         return forward_op(*_op_args(Inputs(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k), options))

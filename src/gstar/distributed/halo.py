@@ -147,7 +147,7 @@ def forward(q, k, v, sinks, spec):
     """As :func:`gstar.distributed.ring.forward`, for ``window=(left, 0)`` with ``left >= 0``."""
     p = _plan(spec)
     keys, values = _fetch(p, spec, [k, v])
-    results = [ops._forward(ops.Inputs(q[:, :, call.rows], kc, vc, sinks, None, None),
+    results = [ops.run_forward(ops.Inputs(q[:, :, call.rows], kc, vc, sinks, None, None),
                             ops.Options(call.pattern, spec.scale, spec.backend))
                for call, kc, vc in zip(p.calls, keys, values)]
     return _joined([o for o, _ in results]), _joined([lse for _, lse in results])
@@ -157,14 +157,14 @@ def backward(dout, q, k, v, sinks, out, lse, dlse, spec):
     """As :func:`gstar.distributed.ring.backward`: each call's dK/dV pieces go back to their ranks."""
     p, rank = _plan(spec), spec.peers.rank
     keys, values = _fetch(p, spec, [k, v])
-    stat = ops._stat(q.dtype)
+    stat = ops.stat_dtype(q.dtype)
     dk = torch.zeros(k.shape, dtype=stat, device=k.device)                  # (B, Hkv, n, D)
     dv = torch.zeros(v.shape, dtype=stat, device=v.device)                  # (B, Hkv, n, Dv)
     dq, dsinks = [], None
     back = {src: ([], []) for src, _ in p.receives}                         # dK, dV pieces of other ranks' keys
     for call, kc, vc in zip(p.calls, keys, values):
         r = call.rows
-        g_q, g_k, g_v, g_sinks = ops._backward(
+        g_q, g_k, g_v, g_sinks = ops.run_backward(
             dout[:, :, r], out[:, :, r], lse[:, :, r].contiguous(), None if dlse is None else dlse[:, :, r],
             ops.Inputs(q[:, :, r], kc, vc, sinks, None, None), ops.Options(call.pattern, spec.scale, spec.backend))
         dq.append(g_q)

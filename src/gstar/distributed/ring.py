@@ -10,7 +10,9 @@ a query chunk (fully visible, no mask) or entirely after it (skipped).
 The backward passes K/V around again, together with travelling float32 dK/dV accumulators: the one for
 rank ``r - s``'s keys is on rank ``r`` at step ``s``, collects that rank's block gradients and moves on, and
 after ``P`` hops it is home. Each block's backward gets the merged (global) out and LSE, so its
-probabilities ``exp(s - lse)`` are the whole row's.
+probabilities ``exp(s - lse)`` are the whole row's. The blocks get no sinks: a block sees only some of a
+row's keys, so the rank works out its rows' share of dsinks itself, from the merged output
+(``-sum_i exp(sinks - lse_i) (rowsum(dO_i * O_i) - dLSE_i)``, docs/design.md section 1).
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def forward(q, k, v, sinks, spec):
     D) and v (B, Hkv, n, Dv) being this rank's shards: out (B, Hq, n, Dv) in q's dtype, lse (B, Hq, n) in the
     statistics dtype."""
     B, Hq, n, _ = q.shape
-    stat = ops._stat(q.dtype)
+    stat = ops.stat_dtype(q.dtype)
     out = q.new_zeros((B, Hq, n, v.shape[-1]), dtype=stat)                  # (B, Hq, n, Dv)
     lse = q.new_full((B, Hq, n), -math.inf, dtype=stat)
     kv = [k, v]
@@ -88,7 +90,7 @@ def forward(q, k, v, sinks, spec):
         for b in step_blocks:
             inputs = ops.Inputs(q[:, :, b.rows], kv[0][:, :, b.keys], kv[1][:, :, b.keys],
                                 sinks if step == 0 else None, None, None)
-            part_out, part_lse = ops._forward(inputs, ops.Options(b.pattern, spec.scale, spec.backend))
+            part_out, part_lse = ops.run_forward(inputs, ops.Options(b.pattern, spec.scale, spec.backend))
             merge(out[:, :, b.rows], lse[:, :, b.rows], part_out, part_lse)
         if arriving is not None:
             kv = arriving.wait()
@@ -98,9 +100,8 @@ def forward(q, k, v, sinks, spec):
 def backward(dout, q, k, v, sinks, out, lse, dlse, spec):
     """``(dq, dk, dv, dsinks)`` of :func:`forward` for the upstream dout (out's shape, unit last stride) and
     dlse (lse's shape, or None); dsinks is this rank's share (its rows' terms), None without sinks."""
-    stat = ops._stat(q.dtype)
+    stat = ops.stat_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=stat, device=q.device)                  # (B, Hq, n, D)
-    dsinks = None
     kv, returning = [k, v], None
     for step, step_blocks in _steps(spec):
         arriving = pass_along(spec.peers, kv) if step + 1 < spec.peers.world else None
@@ -108,16 +109,13 @@ def backward(dout, q, k, v, sinks, out, lse, dlse, spec):
         dv = torch.zeros(v.shape, dtype=stat, device=v.device)              # (B, Hkv, n, Dv)
         for b in step_blocks:
             r = b.rows
-            inputs = ops.Inputs(q[:, :, r], kv[0][:, :, b.keys], kv[1][:, :, b.keys],
-                                sinks if step == 0 else None, None, None)
-            g_q, g_k, g_v, g_sinks = ops._backward(
+            inputs = ops.Inputs(q[:, :, r], kv[0][:, :, b.keys], kv[1][:, :, b.keys], None, None, None)
+            g_q, g_k, g_v, _ = ops.run_backward(
                 dout[:, :, r], out[:, :, r], lse[:, :, r].contiguous(), None if dlse is None else dlse[:, :, r],
                 inputs, ops.Options(b.pattern, spec.scale, spec.backend))
             dq[:, :, r] += g_q
             dk[:, :, b.keys] += g_k
             dv[:, :, b.keys] += g_v
-            if step == 0:
-                dsinks = g_sinks
         if returning is not None:  # the accumulator of these keys, from the ranks before
             before_k, before_v = returning.wait()
             dk += before_k
@@ -126,4 +124,10 @@ def backward(dout, q, k, v, sinks, out, lse, dlse, spec):
         if arriving is not None:
             kv = arriving.wait()
     dk, dv = returning.wait()
+    dsinks = None
+    if sinks is not None:
+        delta = (dout.to(stat) * out.to(stat)).sum(dim=-1)                  # (B, Hq, n)
+        if dlse is not None:
+            delta = delta - dlse.to(stat)
+        dsinks = -(torch.exp(sinks.to(stat).view(1, -1, 1) - lse.to(stat)) * delta).sum(dim=(0, 2))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks
