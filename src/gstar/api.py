@@ -178,8 +178,9 @@ def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
     """Exact attention, memory-efficient, differentiable in q, k, v, sinks and the returned LSE.
 
     Args:
-        q: ``(B, Hq, Nq, D)``; k: ``(B, Hkv, Nk, D)``; v: ``(B, Hkv, Nk, D)``. float16, bfloat16 or
-            float32 (float64 too with ``backend="torch"``); any strides with a unit last stride.
+        q: ``(B, Hq, Nq, D)``; k: ``(B, Hkv, Nk, D)``; v: ``(B, Hkv, Nk, Dv)``, ``Dv`` independent of ``D``
+            (the Triton kernels take both from 1 to 1024). float16, bfloat16 or float32 (float64 too with
+            ``backend="torch"``); any strides with a unit last stride.
             ``Hq % Hkv == 0``: query head ``h`` reads kv head ``h // (Hq // Hkv)`` (GQA/MQA).
         causal: key ``j`` visible to query ``i`` only if ``j <= p(i)``, with ``p(i) = i + Nk - Nq``
             (bottom-right alignment): it sets the window's right bound to 0.
@@ -200,7 +201,7 @@ def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
         1 1 1 1 .    1 . 1 1 .
         1 1 1 1 1    1 . . 1 1
 
-    Rows with no visible key return zeros. Returns ``out`` ``(B, Hq, Nq, D)`` in q's dtype and memory
+    Rows with no visible key return zeros. Returns ``out`` ``(B, Hq, Nq, Dv)`` in q's dtype and memory
     layout, or ``(out, lse)`` with ``return_lse=True``. Bad arguments raise ``ValueError`` or ``TypeError``
     naming the argument.
     """
@@ -326,8 +327,9 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                      . . . 1 1
 
     Args:
-        q: ``(total_q, Hq, D)``; k, v: ``(total_k, Hkv, D)``, ``Hq % Hkv == 0`` (GQA/MQA). float16,
-            bfloat16 or float32 (float64 too with ``backend="torch"``), unit stride on the last dim.
+        q: ``(total_q, Hq, D)``; k: ``(total_k, Hkv, D)``; v: ``(total_k, Hkv, Dv)``, ``Hq % Hkv == 0``
+            (GQA/MQA). float16, bfloat16 or float32 (float64 too with ``backend="torch"``), unit stride on
+            the last dim.
         cu_seqlens_q, cu_seqlens_k: ``(num_seqs + 1,)`` int32 on q's device: 0 first, non-decreasing,
             ``total_q`` / ``total_k`` last. Zero-length sequences are allowed.
         max_seqlen_q, max_seqlen_k: ints at least the longest query / key sequence.
@@ -340,7 +342,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             :func:`gstar.check_cu_seqlens_values`, then for every layer): the kernels trust them, and
             bad offsets read and write out of bounds.
 
-    Returns ``out`` ``(total_q, Hq, D)`` contiguous in q's dtype, or ``(out, lse)``. Differentiable in q,
+    Returns ``out`` ``(total_q, Hq, Dv)`` contiguous in q's dtype, or ``(out, lse)``. Differentiable in q,
     k, v, sinks and the LSE. One kernel launch per pass covers every sequence (the Triton kernels read
     ``cu_seqlens`` on the device). Outside ``torch.compile`` and CUDA graph capture the values of
     ``cu_seqlens`` are checked on the host first (one device sync on CUDA) unless
