@@ -162,8 +162,9 @@ def _backward_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tu
     rows = cfg.dq_m // pack  # positions per dQ tile and head
     n_q_tiles = cdiv(pattern.nq, rows)
     programs = seqs if varlen else B
+    registers = dict(maxnreg=cfg.dq_registers) if cfg.dq_registers else {}
     dq_options = [constexprs(BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n, PACK=pack, num_warps=cfg.dq_warps,
-                             num_stages=cfg.dq_stages, TMA=tma, **shared) for tma in (False, True)]
+                             num_stages=cfg.dq_stages, TMA=tma, **registers, **shared) for tma in (False, True)]
 
     if varlen:
         head_splits, work, first = 1, None, None

@@ -173,7 +173,8 @@ class BackwardConfig:
     move the tiles that each step loads (dK/dV: Q and dO; dQ: K and V) through tensor descriptors
     (:mod:`gstar.kernels.descriptors`) where the operands allow it. ``dq_pack`` stacks that many query
     heads of a GQA group in a dQ tile (``dq_m // dq_pack`` positions each), as the forward's ``PACK_GQA``;
-    like it, a request: it shrinks to the largest power of two dividing the group.
+    like it, a request: it shrinks to the largest power of two dividing the group. ``dq_registers`` caps the
+    dQ kernel's registers per thread (0: the compiler's choice).
     """
 
     dkdv_m: int
@@ -190,6 +191,7 @@ class BackwardConfig:
     dkdv_tma: bool = False
     dq_tma: bool = False
     dq_pack: int = 1
+    dq_registers: int = 0
 
 
 # 16-bit rows: (largest padded head dim, narrow band only, dkdv (m, n, warps, stages, tma),
@@ -222,6 +224,10 @@ _BACKWARD_16BIT = (
 # tile, 128-row tiles and causal patterns are slower or even (benchmarks/NOTES.md, 'Packed dQ tiles').
 _DQ_NARROW_PACKED = (64, 32, 4, 2, False)
 _DQ_NARROW_PACK = 4
+# dQ's 8-warp tiles at head dim <= 64 fit two programs per SM (65,536 registers) at up to 128 registers a
+# thread; learned sinks' P * dP row sums take the compiler to 134 and halve that, which costs the GPT-OSS
+# causal dQ 1.6x its time; capped at 128 it spills nothing (benchmarks/NOTES.md, 'dsinks from P * dP').
+_DQ_TWO_PROGRAMS = 128
 
 
 def backward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device, batch_heads: int = 1,
@@ -251,4 +257,5 @@ def backward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device,
     tma = _major(torch.device(device)) >= 9 and work >= _DESCRIPTOR_MIN_WORK
     return BackwardConfig(dkdv[0], dkdv[1], dq[0], dq[1], dkdv_warps=dkdv[2], dkdv_stages=dkdv[3],
                           dq_warps=dq[2], dq_stages=dq[3], flat=narrow, dkdv_tma=dkdv[4] and tma,
-                          dq_tma=dq[4] and tma, dq_pack=dq_pack)
+                          dq_tma=dq[4] and tma, dq_pack=dq_pack,
+                          dq_registers=_DQ_TWO_PROGRAMS if d_pad <= 64 and dq[2] == 8 else 0)
