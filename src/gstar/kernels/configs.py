@@ -73,10 +73,11 @@ def _band_width(pattern: Pattern) -> int | None:
 
 
 def width(head_dim: int, value_dim: int | None = None) -> int:
-    """The head width the tile tables are keyed by: the mean of the padded D and Dv (D's padded width when
-    they are equal). The Q tile and the K stages hold D lanes, the V stages and the accumulators Dv, so the
-    mean tracks the shared memory and registers a tile needs."""
-    return (pad_head_dim(head_dim) + pad_head_dim(value_dim or head_dim)) // 2
+    """The head width the tile tables are keyed by: the mean of the lanes the kernels hold D in
+    (:func:`head_lanes`) and the padded Dv (D's lanes when they are equal). The Q tile and the K stages hold
+    D lanes, the V stages and the accumulators Dv, so the mean tracks the shared memory and registers a tile
+    needs."""
+    return (head_lanes(head_dim) + pad_head_dim(value_dim or head_dim)) // 2
 
 
 @functools.lru_cache(maxsize=16)
@@ -156,6 +157,28 @@ def pad_head_dim(d: int) -> int:
     """The head dim the kernels compute with: the next power of two, at least 16 (tl.dot's minimum). The
     kernels derive it from HEAD_DIM; the host sizes buffers and descriptor blocks with it."""
     return max(16, 1 << (d - 1).bit_length())
+
+
+@triton.constexpr_function
+def head_parts(d: int) -> tuple[int, int]:
+    """The widths ``(lo, hi)`` of the two tiles the kernels hold a ``d``-wide query / key operand in: lanes
+    ``[0, lo)`` and ``[lo, lo + hi)``, each a power of two, with every product over the head dim taken as
+    two dots into one accumulator. ``lo`` is the largest power of two below ``d`` and ``hi`` pads the rest
+    (at least 16, tl.dot's minimum); where that is no narrower than one padded tile, ``(pad_head_dim(d), 0)``:
+    D 192 = 128 + 64 (not 256), 96 = 64 + 32, 80 = 64 + 16, 576 = 512 + 64, but 100 and 128 one tile of 128.
+    Value dims keep one padded tile. The kernels derive the parts from HEAD_DIM, the host sizes the dK
+    partials with :func:`head_lanes`."""
+    pad = max(16, 1 << (d - 1).bit_length())
+    lo = pad // 2
+    hi = max(16, 1 << (d - lo - 1).bit_length()) if d > lo else 0
+    return (lo, hi) if lo >= 16 and 0 < hi and lo + hi < pad else (pad, 0)
+
+
+@triton.constexpr_function
+def head_lanes(d: int) -> int:
+    """The lanes the kernels hold a ``d``-wide query / key operand in: the sum of :func:`head_parts`."""
+    lo, hi = head_parts(d)
+    return lo + hi
 
 
 @dataclass(frozen=True)
