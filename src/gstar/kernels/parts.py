@@ -23,6 +23,24 @@ def _widths(width: int, split: bool) -> tuple:
     return (lo, hi) if hi else (lo,)
 
 
+@triton.constexpr_function
+def width(width: int, split: bool = True) -> int:
+    """The lanes the parts of a ``width``-wide operand span."""
+    return sum(_widths(width, split))
+
+
+@triton.constexpr_function
+def _part_width(width: int, split: bool, i: int) -> int:
+    """The width of part ``i`` of a ``width``-wide operand."""
+    return _widths(width, split)[i]
+
+
+@triton.constexpr_function
+def _ends_past(width: int, split: bool, i: int) -> bool:
+    """Whether part ``i`` of a ``width``-wide operand holds lanes past ``width`` (which loads must mask)."""
+    return sum(_widths(width, split)[:i + 1]) > width
+
+
 @triton.jit
 def lanes(WIDTH: tl.constexpr, SPLIT: tl.constexpr = True):
     """The head-dim lanes of each part: ``(arange(0, lo),)`` or ``(arange(0, lo), lo + arange(0, hi))``."""
@@ -44,24 +62,6 @@ def pointers(rows, WIDTH: tl.constexpr, SPLIT: tl.constexpr = True, TRANSPOSED: 
         else:
             x = x + (rows[:, None] + LANES[i][None, :],)
     return x
-
-
-@triton.constexpr_function
-def width(width: int, split: bool = True) -> int:
-    """The lanes the parts of a ``width``-wide operand span."""
-    return sum(_widths(width, split))
-
-
-@triton.constexpr_function
-def _part_width(width: int, split: bool, i: int) -> int:
-    """The width of part ``i`` of a ``width``-wide operand."""
-    return _widths(width, split)[i]
-
-
-@triton.constexpr_function
-def _ends_past(width: int, split: bool, i: int) -> bool:
-    """Whether part ``i`` of a ``width``-wide operand holds lanes past ``width`` (which loads must mask)."""
-    return sum(_widths(width, split)[:i + 1]) > width
 
 
 @triton.jit
