@@ -90,8 +90,8 @@ def _attend_blocks(acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2,
     in :func:`_softmax_step`, with q: (R, w) parts (:mod:`gstar.kernels.parts`); ``(acc2, ..., rows2)``
     those of the second half (ignored and returned as they came without HALVES). k_ptrs: (w, BLOCK_N)
     pointer parts and v_ptrs: (BLOCK_N, DV_PAD) point at keys 0..BLOCK_N-1 of this kv head; offs_n:
-    (BLOCK_N,). Masked blocks also guard the loads of keys past ``Nk``; whole blocks load unmasked unless
-    their head dim is padded.
+    (BLOCK_N,). Masked blocks also guard the loads of keys past ``Nk``; whole blocks load unmasked but for
+    the lanes of a part past the head dim.
     HALVES: both halves' score products are issued before either softmax, so the tensor cores work on
     the second half's scores, then the first half's output, while the softmax of the other half runs.
     """
