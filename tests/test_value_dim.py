@@ -7,7 +7,7 @@ dK/dV path, query / key head dims held as two power-of-two parts (80, 96, 192; c
 seeded random grid with D and Dv drawn independently, the operators' fake implementations,
 ``torch.compile`` and a tiny random DeepSeek-V3 (latent attention: 12-wide queries over 6-wide values) in
 transformers. GPU tier: bfloat16 and float16 at the shapes that matter (192 / 128 and 128 / 64 for training,
-64 / 320 and 576 / 512 for latent decoding), descriptor loads and the split dK/dV path included.
+64 / 320 and 576 / 512 for latent decoding), the split dK/dV path included.
 """
 
 import dataclasses
@@ -19,8 +19,8 @@ import torch
 import gstar
 from gstar import ops
 from gstar.accuracy import relative_error, verdict
-from gstar.kernels import attention_backward, configs
-from gstar.kernels.configs import backward_config, head_lanes, head_parts
+from gstar.kernels import attention, attention_backward, configs
+from gstar.kernels.configs import BackwardConfig, backward_config, head_lanes, head_parts
 from gstar.pattern import Pattern
 from gstar.reference import naive_attention
 from tiers import grid
@@ -190,20 +190,18 @@ def test_packed_equals_per_sequence(backend, device):
         assert relative_error(lse[:, rows], one_lse[0]) < 1e-5
 
 
-@pytest.mark.parametrize("flat,tma", [(False, False), (True, False), (False, True)],
-                         ids=["ranged", "flat", "descriptors"])
+@pytest.mark.parametrize("flat", [False, True], ids=["ranged", "flat"])
 @pytest.mark.parametrize("pair", [(24, 40), (80, 80), (96, 40), (192, 128)], ids=lambda p: "d{}-dv{}".format(*p))
-def test_split_dkdv_fp32(pair, flat, tma, device):
-    """The split dK/dV path (float32 partials of both widths summed in a fixed order), the flat loops and the
-    descriptor loads, with D in one padded tile and in two parts (whose partials hold the parts side by side,
-    and which take one descriptor each)."""
+def test_split_dkdv_fp32(pair, flat, device):
+    """The split dK/dV path (float32 partials of both widths summed in a fixed order) and the flat loops,
+    with D in one padded tile and in two parts (whose partials hold the parts side by side)."""
     D, Dv = pair
     q, k, v, s = _inputs(1, 4, 1, 45, 45, D, Dv, torch.float32, device)
     dout, dlse = _upstream(q, v)
     args = dict(causal=True, window=(20, 0), sink_tokens=2)
     pattern = Pattern.make(45, 45, **args)
     cfg = dataclasses.replace(backward_config(D, torch.float32, pattern, device, value_dim=Dv), head_splits=2,
-                              q_chunk=1, flat=flat, dq_tma=tma, dkdv_tma=tma)
+                              q_chunk=1, flat=flat)
     ref = _oracle(q, k, v, s, dout, dlse, args, torch.float64)
     out, lse = ref[0].float(), ref[1].float()
     grads = attention_backward(dout, q, k, v, out, lse, dlse, s, pattern, D ** -0.5, config=cfg)
@@ -249,6 +247,19 @@ def test_triton_split_head_packed_fp32(pair, device):
         assert relative_error(out[rows], ref[0].transpose(0, 1)) < 1e-4
         for name, g, r, part in zip("qkv", grads, ref_grads, (rows, keys, keys)):
             assert relative_error(g[part], r[0].transpose(0, 1)) < 1e-4, f"d{name}, sequence {i}"
+
+
+def test_split_head_keeps_pointer_loads():
+    """A descriptor moves one tile shape: backward plans turn the descriptor loads off for a split D."""
+    pattern = Pattern.make(64, 64, causal=True)
+    cfg = BackwardConfig(16, 32, 32, 16, dq_tma=True, dkdv_tma=True)
+    for D, Dv, tma in ((128, 64, True), (192, 128, False), (96, 96, False)):
+        plan = attention._backward_plan((1, 2, 64, D), (2 * 64 * D, 64 * D, D, 1), (1, 2, 64, D),
+                                        (2 * 64 * D, 64 * D, D, 1), (1, 2, 64, Dv), (2 * 64 * Dv, 64 * Dv, Dv, 1),
+                                        (2 * 64 * Dv, 64 * Dv, Dv, 1), (2 * 64 * Dv, 64 * Dv, Dv, 1), None,
+                                        torch.bfloat16, torch.device("cpu"), False, pattern, D ** -0.5, None, cfg,
+                                        "tf32")
+        assert (plan.dq_tma, plan.dkdv_tma) == (tma, tma), (D, Dv)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -405,8 +416,8 @@ def test_gpu_within_bar(case, sinks):
                                      dict(head_splits=2, q_chunk=3, flat=True, dq_tma=True)],
                          ids=["descriptors", "split", "split-flat-descriptors"])
 def test_gpu_backward_paths_within_bar(changes):
-    """The split dK/dV path and descriptor loads at (192, 128), forced below their thresholds (D 192's two
-    parts take one descriptor each)."""
+    """The split dK/dV path at (192, 128), forced below its threshold, and descriptor requests there, which
+    keep the pointer path (D 192 is held as two parts, :func:`test_split_head_keeps_pointer_loads`)."""
     B, Hq, Hkv, N, D, Dv = 1, 8, 2, 1000, 192, 128
     args = dict(causal=True, window=(300, 0), sink_tokens=4)
     q, k, v, s = _inputs(B, Hq, Hkv, N, N, D, Dv, torch.bfloat16, "cuda")

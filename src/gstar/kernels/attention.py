@@ -19,8 +19,7 @@ from ..pattern import Pattern, cdiv, kv_block_table
 from .. import buffers
 from . import descriptors
 from .backward import _dkdv, _dq, _sum_partials
-from .configs import (BackwardConfig, backward_config, dot_precision, forward_config, head_lanes, head_parts,
-                      pad_head_dim)
+from .configs import BackwardConfig, backward_config, dot_precision, forward_config, head_lanes, head_parts, pad_head_dim
 from .forward import _forward_kernel, tiles_fastest
 from .launch import constexprs, launch
 from .schedule import split_plan
@@ -134,8 +133,8 @@ class _BackwardPlan(NamedTuple):
     sum_tail: tuple
     sum_options: tuple
     first: torch.Tensor | None
-    dq_tiles: tuple             # descriptor blocks of K, one per part of D, and of V: (1, 1, dq_n, w or DV_PAD)
-    dkdv_tiles: tuple           # of Q and dO: (1, 1, dkdv_m, w or DV_PAD)
+    dq_tiles: tuple             # descriptor blocks of K and V: (1, 1, dq_n, D_PAD or DV_PAD)
+    dkdv_tiles: tuple           # of Q and dO: (1, 1, dkdv_m, D_PAD or DV_PAD)
 
 
 @functools.lru_cache(maxsize=256)
@@ -150,7 +149,8 @@ def _backward_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tu
     varlen = seqs is not None
     cfg = config or backward_config(D, dtype, pattern, device, batch_heads=B * Hq, group=group, value_dim=Dv)
     d_lanes, dv_pad = head_lanes(D), pad_head_dim(Dv)
-    d_parts = tuple(w for w in head_parts(D) if w)  # the tiles the kernels hold D in
+    # a descriptor moves one tile shape: query / key operands held as two parts keep the pointer path
+    tma_ok = not varlen and head_parts(D)[1] == 0
     shared = dict(
         HAS_LEFT=pattern.left >= 0, HAS_RIGHT=pattern.right >= 0, HAS_SINK_TOKENS=pattern.sink_tokens > 0,
         PRECISION=precision, GROUP=group, HEAD_DIM=D, VALUE_DIM=Dv, FLAT=cfg.flat,
@@ -186,17 +186,17 @@ def _backward_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tu
         dq_grid=(n_q_tiles, Hq // pack, programs),
         dq_head=(q_s, k_s, v_s, o_s, do_s),
         dq_tail=(dl_s, lse_strides, Nq, Nk, *runtime),
-        dq_options=tuple(dq_options), dq_tma=cfg.dq_tma and not varlen,
+        dq_options=tuple(dq_options), dq_tma=cfg.dq_tma and tma_ok,
         kv_table=None if varlen else kv_block_table(pattern, rows, cfg.dq_n, device),  # (n_q_tiles, 5)
         dkdv_grid=(n_items, Hkv * head_splits, programs),
         dkdv_head=(q_s, k_s, v_s, do_s),
         dkdv_tail=(lse_strides, Nq, Nk, head_splits, n_items, programs * n_q_tiles, *runtime),
-        dkdv_options=tuple(dkdv_options), dkdv_tma=cfg.dkdv_tma and not varlen, work=work,
+        dkdv_options=tuple(dkdv_options), dkdv_tma=cfg.dkdv_tma and tma_ok, work=work,
         sum_grid=(n_tiles, Hkv, B) if split else None,
         sum_tail=(Hkv, Nk, head_splits, n_items),
         sum_options=constexprs(BLOCK_N=cfg.dkdv_n, HEAD_DIM=D, VALUE_DIM=Dv, num_warps=4),
-        first=first, dq_tiles=(tuple((1, 1, cfg.dq_n, w) for w in d_parts), (1, 1, cfg.dq_n, dv_pad)),
-        dkdv_tiles=(tuple((1, 1, cfg.dkdv_m, w) for w in d_parts), (1, 1, cfg.dkdv_m, dv_pad)),
+        first=first, dq_tiles=tuple((1, 1, cfg.dq_n, w) for w in (d_lanes, dv_pad)),
+        dkdv_tiles=tuple((1, 1, cfg.dkdv_m, w) for w in (d_lanes, dv_pad)),
     )
 
 
@@ -244,9 +244,9 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
     dkdv_tma = plan.dkdv_tma and descriptors.supported(q, dout)
     k_in, v_in, q_in, do_in = k, v, q, dout
     if dq_tma:  # dQ reads its K, V tiles through descriptors
-        k_in, v_in = descriptors.pair(k, v, plan.dq_tiles)
+        k_in, v_in = (descriptors.tiles(t, tile) for t, tile in zip((k, v), plan.dq_tiles))
     if dkdv_tma:  # dK/dV its Q, dO tiles
-        q_in, do_in = descriptors.pair(q, dout, plan.dkdv_tiles)
+        q_in, do_in = (descriptors.tiles(t, tile) for t, tile in zip((q, dout), plan.dkdv_tiles))
 
     # dQ first: its programs also store delta and lse2, which every dK/dV program reads
     dq = like(q)

@@ -46,7 +46,7 @@ import triton.language as tl
 
 from ..pattern import KV_BAND_END, KV_BAND_START, KV_FULL_END, KV_FULL_START, KV_SINK_END
 from . import parts
-from .configs import next_power_of_2, pad_head_dim
+from .configs import head_parts, next_power_of_2, pad_head_dim
 from .ranges import kv_range, q_range, sequence_bounds, tile_rows, visible
 
 _LOG2E = tl.constexpr(math.log2(math.e))
@@ -75,13 +75,14 @@ def _load_pair(A, B, seq, head, start, n, stride_a, stride_b, ROWS: tl.constexpr
     """Rows ``start .. start + ROWS - 1`` of one head of a query / key operand A_DIM wide and a value-dim
     operand B_DIM wide, as (ROWS, w) parts and one (ROWS, B_PAD) tile, zeros outside.
 
-    With TMA, A is a tuple of descriptors over (B, H, n, A_DIM), one per part (:func:`parts.load_tiles`), and
-    B one over (B, H, n, B_DIM), read at batch ``seq``, head ``head`` (int32); their copy engine zero-fills
-    rows past n and lanes past the head dim. Otherwise pointers at row 0 of the head with row strides
-    ``stride_a``, ``stride_b`` (see ``_load_rows``).
+    With TMA, A and B are descriptors over (B, H, n, A_DIM or B_DIM) read at batch ``seq``, head ``head``
+    (int32), whose copy engine zero-fills rows past n and lanes past the head dim; the host gives them only
+    for an A_DIM of one part (a split operand keeps the pointer path: one descriptor moves one tile shape).
+    Otherwise pointers at row 0 of the head with row strides ``stride_a``, ``stride_b`` (see ``_load_rows``).
     """
     if TMA:
-        a = parts.load_tiles(A, seq, head, start, ROWS, A_DIM)
+        tl.static_assert(head_parts(A_DIM)[1] == 0, "split head dims load through pointers")
+        a = (A.load([seq, head, start, 0]).reshape(ROWS, pad_head_dim(A_DIM)),)
         b = B.load([seq, head, start, 0]).reshape(ROWS, pad_head_dim(B_DIM))
     else:
         idx = start + tl.arange(0, ROWS)                                                # (ROWS,)
@@ -194,8 +195,8 @@ def _dkdv(
     whole group one split: the result goes to DK, DV in their dtype. With SPLIT (dense only) DK and DV are
     float32 partials ``(B, Hkv, head_splits, n_items, BLOCK_N, D_LANES or DV_PAD)`` contiguous (D_LANES:
     :func:`gstar.kernels.configs.head_lanes`, the parts side by side), summed by
-    ``_sum_partials``. TMA (dense only): Q is a tuple of tensor descriptors, one per part of HEAD_DIM moving
-    (1, 1, BLOCK_M, w) tiles, and DO one moving (1, 1, BLOCK_M, DV_PAD) tiles.
+    ``_sum_partials``. TMA (dense only): Q and DO are tensor descriptors moving (1, 1, BLOCK_M, D_PAD) and
+    (1, 1, BLOCK_M, DV_PAD) tiles.
     With learned sinks (DSINKS: (Hq,) float32, SHARES: (n_shares, Hq) float32, else both None) the program
     of item 0 and sequence 0 of each (kv head, head split) also sums its query heads' dsinks shares, which
     ``_dq`` (launched before) stored, into DSINKS (one launch fewer).
@@ -386,8 +387,8 @@ def _dq(
     DSINKS: (B, n_tiles, Hq) float32, with delta summed as ``rowsum(P * dP) - dLSE`` over the blocks it
     visits: equal to the above in exact arithmetic, without the rounding of O to the input dtype, which
     a sum over every row of a head would add up (benchmarks/NOTES.md, 'dsinks from P * dP').
-    TMA (dense only): K is a tuple of tensor descriptors, one per part of HEAD_DIM moving (1, 1, BLOCK_N, w)
-    tiles, and V one moving (1, 1, BLOCK_N, DV_PAD) tiles.
+    TMA (dense only): K and V are tensor descriptors moving (1, 1, BLOCK_N, D_PAD) and (1, 1, BLOCK_N,
+    DV_PAD) tiles.
     """
     DV_PAD: tl.constexpr = pad_head_dim(VALUE_DIM)
     HAS_SINKS: tl.constexpr = Sinks is not None

@@ -26,11 +26,3 @@ def supported(*tensors: torch.Tensor) -> bool:
 def tiles(t: torch.Tensor, block: tuple[int, int, int, int]) -> TensorDescriptor:
     """A descriptor over ``t`` (B, H, N, D) that moves ``block`` = (1, heads, rows, D_PAD) tiles."""
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
-
-
-def pair(a: torch.Tensor, b: torch.Tensor, blocks: tuple) -> tuple[tuple[TensorDescriptor, ...], TensorDescriptor]:
-    """The descriptors of a query / key operand ``a`` and a value-dim operand ``b`` (both (B, H, N, .)):
-    ``blocks`` = (a's blocks, one per part of its head dim, b's block), as the plans of
-    :mod:`gstar.kernels.attention` hold them. A part moves its own lanes: the kernels read part ``i`` at
-    the lane where it starts."""
-    return tuple(tiles(a, block) for block in blocks[0]), tiles(b, blocks[1])

@@ -136,14 +136,15 @@ def launch(fn, grid: tuple[int, int, int], tensors: tuple, scalars: tuple, optio
     above.
 
     fn: a ``@triton.jit`` function whose parameters are the pointer arguments ``tensors`` (torch tensors,
-    None, tensor descriptors or tuples of them), then the runtime ``scalars`` (ints, floats), then constexpr parameters,
+    None, or tensor descriptors), then the runtime ``scalars`` (ints, floats), then constexpr parameters,
     given in ``options`` (from :func:`constexprs`, with the launch options) or left at their defaults;
     grid: three ints. Each scalar keeps its type from call to call (the exact map compares values, and
     ``2 == 2.0``): pass floats as floats even when they are whole. Triton launches on the current CUDA
     device, which need not hold the tensors (a model spread over GPUs calls layer by layer without
     switching), so a launch for another device switches to it, as PyTorch's own operators do.
     """
-    index = next(t for t in tensors if isinstance(t, torch.Tensor)).get_device()  # -1 on the CPU
+    first = next(t for t in tensors if t is not None)
+    index = (first if isinstance(first, torch.Tensor) else first.base).get_device()  # -1 on the CPU
     if index >= 0 and index != torch.cuda.current_device():
         with torch.cuda.device(index):
             _launch(fn, grid, index, tensors, scalars, options)

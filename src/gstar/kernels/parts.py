@@ -36,12 +36,6 @@ def _part_width(width: int, split: bool, i: int) -> int:
 
 
 @triton.constexpr_function
-def _offset(width: int, split: bool, i: int) -> int:
-    """The first lane of part ``i`` of a ``width``-wide operand."""
-    return sum(_widths(width, split)[:i])
-
-
-@triton.constexpr_function
 def _ends_past(width: int, split: bool, i: int) -> bool:
     """Whether part ``i`` of a ``width``-wide operand holds lanes past ``width`` (which loads must mask)."""
     return sum(_widths(width, split)[:i + 1]) > width
@@ -107,18 +101,6 @@ def store(ptrs, x, rows_ok, WIDTH: tl.constexpr, SPLIT: tl.constexpr = True):
     for i in tl.static_range(len(LANES)):
         mask = _mask(LANES[i], rows_ok, WIDTH, _ends_past(WIDTH, SPLIT, i), False)
         tl.store(ptrs[i], x[i].to(ptrs[i].dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def load_tiles(descs, seq, head, start, ROWS: tl.constexpr, WIDTH: tl.constexpr):
-    """Rows ``start .. start + ROWS - 1`` of head ``head`` (int32) of batch ``seq`` as (ROWS, w) parts, read
-    through ``descs``: one tensor descriptor per part over the same (B, H, n, WIDTH) tensor, moving
-    (1, 1, ROWS, w) tiles, whose copy engine zero-fills rows past n and lanes past WIDTH."""
-    x = ()
-    for i in tl.static_range(len(descs)):
-        tile = descs[i].load([seq, head, start, _offset(WIDTH, True, i)])
-        x = x + (tile.reshape(ROWS, _part_width(WIDTH, True, i)),)
-    return x
 
 
 @triton.jit
