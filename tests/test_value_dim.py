@@ -412,13 +412,16 @@ def test_gpu_within_bar(case, sinks):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("changes", [dict(dq_tma=True, dkdv_tma=True), dict(head_splits=2, q_chunk=3),
-                                     dict(head_splits=2, q_chunk=3, flat=True, dq_tma=True)],
-                         ids=["descriptors", "split", "split-flat-descriptors"])
-def test_gpu_backward_paths_within_bar(changes):
-    """The split dK/dV path at (192, 128), forced below its threshold, and descriptor requests there, which
-    keep the pointer path (D 192 is held as two parts, :func:`test_split_head_keeps_pointer_loads`)."""
-    B, Hq, Hkv, N, D, Dv = 1, 8, 2, 1000, 192, 128
+@pytest.mark.parametrize("D,Dv,changes", [(128, 64, dict(dq_tma=True, dkdv_tma=True)),
+                                          (192, 128, dict(head_splits=2, q_chunk=3)),
+                                          (128, 64, dict(head_splits=2, q_chunk=3, flat=True, dq_tma=True)),
+                                          (192, 128, dict(dq_tma=True, dkdv_tma=True))],
+                         ids=["descriptors", "split", "split-flat-descriptors", "two-part-pointers"])
+def test_gpu_backward_paths_within_bar(D, Dv, changes):
+    """Forced below their thresholds: descriptor loads of both widths at (128, 64), the split dK/dV path, and
+    descriptor requests at (192, 128), which keep the pointer path (D 192 is held as two parts,
+    :func:`test_split_head_keeps_pointer_loads`)."""
+    B, Hq, Hkv, N = 1, 8, 2, 1000
     args = dict(causal=True, window=(300, 0), sink_tokens=4)
     q, k, v, s = _inputs(B, Hq, Hkv, N, N, D, Dv, torch.bfloat16, "cuda")
     dout, dlse = _upstream(q, v)

@@ -19,7 +19,8 @@ from ..pattern import Pattern
 # where a call's width is the mean of the lanes its head dims D and Dv take in the kernels (:func:`width`).
 # The D <= 128 rows are the fastest of scripts/tune-forward's sweeps (benchmarks/NOTES.md,
 # 'Forward switches' for D <= 64 with PACK_GQA, 'HALVES at head dim 128' for D = 128), and so is the 192
-# row for latent attention's D = 192, Dv = 128 ('Value head dim: tiles for D 192 / Dv 128'); the
+# row for latent attention's D = 192, Dv = 128, swept with D padded to 256 lanes before the kernels held it
+# as 128 + 64 ('Value head dim: tiles for D 192 / Dv 128'; a re-sweep may now fit larger tiles); the
 # D = 256 row is checked by compiling for sm_90 only (no register spills). Wider heads (latent decoding's
 # 576 / 512) take short tiles that keep the (BLOCK_M, Dv) accumulator and the Q tile on chip: serving
 # shapes, where K/V traffic sets the time.
@@ -247,11 +248,10 @@ _BACKWARD_16BIT = (
 # tile, 128-row tiles and causal patterns are slower or even (benchmarks/NOTES.md, 'Packed dQ tiles').
 _DQ_NARROW_PACKED = (64, 32, 4, 2, False)
 _DQ_NARROW_PACK = 4
-# Registers per thread of dQ's tiles at head dim <= 64 (by warps): what lets as many programs share an SM as
-# without learned sinks, whose P * dP row sums take the compiler past it (8 warps: 134 > 128, one program per
-# SM instead of two, 1.6x the GPT-OSS causal dQ time; 4 warps: 125 > 96, four instead of five). Capped, they
-# spill nothing (scripts/kernel-sass; benchmarks/NOTES.md, 'dsinks from P * dP').
-_DQ_REGISTERS = {4: 96, 8: 128}
+# dQ's 8-warp tiles at head dim <= 64 fit two programs per SM (65,536 registers) at up to 128 registers a
+# thread; learned sinks' P * dP row sums take the compiler to 134 and halve that (the GPT-OSS causal dQ 1.6x
+# its time); capped at 128 they spill nothing (benchmarks/NOTES.md, 'dsinks from P * dP').
+_DQ_TWO_PROGRAMS = 128
 
 
 def backward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device, batch_heads: int = 1,
@@ -282,4 +282,4 @@ def backward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device,
     return BackwardConfig(dkdv[0], dkdv[1], dq[0], dq[1], dkdv_warps=dkdv[2], dkdv_stages=dkdv[3],
                           dq_warps=dq[2], dq_stages=dq[3], flat=narrow, dkdv_tma=dkdv[4] and tma,
                           dq_tma=dq[4] and tma, dq_pack=dq_pack,
-                          dq_registers=_DQ_REGISTERS.get(dq[2], 0) if d_pad <= 64 else 0)
+                          dq_registers=_DQ_TWO_PROGRAMS if d_pad <= 64 and dq[2] == 8 else 0)
