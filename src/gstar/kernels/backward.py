@@ -285,7 +285,7 @@ def _store_partial(P, slot, x, WIDTH: tl.constexpr, SPLIT: tl.constexpr):
     """Stores the (BLOCK_N, w) float32 parts ``x`` of a WIDTH-wide operand (one padded part unless SPLIT)
     as partial ``slot`` of P, (n_slots, BLOCK_N, W) contiguous with W the lanes of the parts side by side."""
     BLOCK_N: tl.constexpr = x[0].shape[0]
-    W: tl.constexpr = parts.width(WIDTH, SPLIT)
+    W: tl.constexpr = parts.span(WIDTH, SPLIT)
     rows = P + slot * (BLOCK_N * W) + tl.arange(0, BLOCK_N) * W                         # (BLOCK_N,)
     parts.store(parts.pointers(rows, WIDTH, SPLIT), x, None, WIDTH, SPLIT)
 
@@ -296,7 +296,7 @@ def _sum_tile(P, D, first, last, head_base, n_items, tile, nk, stride_d, BLOCK_N
     """Rows ``tile * BLOCK_N ..`` of D (Nk, WIDTH) of one kv head = the sum of the partials ``(head_base + s,
     i)`` of P, (.., n_items, BLOCK_N, W) float32 (``_store_partial``'s layout), for each head split s and
     item ``first <= i < last``, in that order."""
-    W: tl.constexpr = parts.width(WIDTH, SPLIT)
+    W: tl.constexpr = parts.span(WIDTH, SPLIT)
     ROWS: tl.constexpr = _block_rows(W, BLOCK_N)
     for r in range(0, BLOCK_N, ROWS):
         offs_r = r + tl.arange(0, ROWS)                                                 # (ROWS,)

@@ -24,8 +24,9 @@ def _widths(width: int, split: bool) -> tuple:
 
 
 @triton.constexpr_function
-def width(width: int, split: bool = True) -> int:
-    """The lanes the parts of a ``width``-wide operand span."""
+def span(width: int, split: bool = True) -> int:
+    """The lanes the parts of a ``width``-wide operand span (:func:`gstar.kernels.configs.head_lanes` when
+    split, the padded width when not)."""
     return sum(_widths(width, split))
 
 
