@@ -3,11 +3,10 @@ point, forward and backward, against the oracle.
 
 CPU tier: the tiled PyTorch path in float64 and the Triton kernels under the interpreter in float32 (IEEE
 dots, relative error < 1e-4) and float16 (the bar of docs/design.md section 4), dense and packed, the split
-dK/dV path, query / key head dims held as two power-of-two parts (80, 96, 192; configs.head_parts), a
-seeded random grid with D and Dv drawn independently, the operators' fake implementations,
+dK/dV path, a seeded random grid with D and Dv drawn independently, the operators' fake implementations,
 ``torch.compile`` and a tiny random DeepSeek-V3 (latent attention: 12-wide queries over 6-wide values) in
 transformers. GPU tier: bfloat16 and float16 at the shapes that matter (192 / 128 and 128 / 64 for training,
-64 / 320 and 576 / 512 for latent decoding), the split dK/dV path included.
+64 / 320 and 576 / 512 for latent decoding), descriptor loads and the split dK/dV path included.
 """
 
 import dataclasses
@@ -19,8 +18,8 @@ import torch
 import gstar
 from gstar import ops
 from gstar.accuracy import relative_error, verdict
-from gstar.kernels import attention, attention_backward, configs
-from gstar.kernels.configs import BackwardConfig, backward_config, head_lanes, head_parts
+from gstar.kernels import attention_backward, configs
+from gstar.kernels.configs import backward_config
 from gstar.pattern import Pattern
 from gstar.reference import naive_attention
 from tiers import grid
@@ -28,10 +27,6 @@ from tiers import grid
 GRADS = ("dq", "dk", "dv", "dsinks")
 # (D, Dv): narrower and wider values, padded and unpadded head dims on either side
 PAIRS = {"d24-dv40": (24, 40), "d40-dv8": (40, 8), "d16-dv64": (16, 64), "d80-dv24": (80, 24)}
-# D held as two power-of-two parts by the kernels (configs.head_parts: 80 = 64 + 16, 96 = 64 + 32,
-# 192 = 128 + 64), with Dv equal and different
-SPLIT_PAIRS = {"d80": (80, 80), "d96": (96, 96), "d192": (192, 192), "d80-dv40": (80, 40),
-               "d96-dv128": (96, 128), "d192-dv128": (192, 128)}
 PATTERNS = {
     "full": dict(),
     "causal": dict(causal=True),
@@ -123,12 +118,9 @@ def test_torch_path_gradcheck():
                                          return_lse=True), (q, k, v, s))
 
 
-@pytest.mark.parametrize("pair,pattern", grid({p: (p,) for p in {**PAIRS, **SPLIT_PAIRS}},
-                                              {p: (p,) for p in PATTERNS}))
+@pytest.mark.parametrize("pair,pattern", grid({p: (p,) for p in PAIRS}, {p: (p,) for p in PATTERNS}))
 def test_triton_fp32_matches_oracle(pair, pattern, device):
-    """Forward and backward, D in one padded tile or in two parts, odd lengths, GQA, learned sinks and the LSE
-    gradient."""
-    D, Dv = {**PAIRS, **SPLIT_PAIRS}[pair]
+    D, Dv = PAIRS[pair]
     q, k, v, s = _inputs(1, 4, 2, 33, 47, D, Dv, torch.float32, device)
     dout, dlse = _upstream(q, v)
     result = _gstar(q, k, v, s, dout, dlse, PATTERNS[pattern], "triton")
@@ -191,75 +183,19 @@ def test_packed_equals_per_sequence(backend, device):
 
 
 @pytest.mark.parametrize("flat", [False, True], ids=["ranged", "flat"])
-@pytest.mark.parametrize("pair", [(24, 40), (80, 80), (96, 40), (192, 128)], ids=lambda p: "d{}-dv{}".format(*p))
-def test_split_dkdv_fp32(pair, flat, device):
-    """The split dK/dV path (float32 partials of both widths summed in a fixed order) and the flat loops,
-    with D in one padded tile and in two parts (whose partials hold the parts side by side)."""
-    D, Dv = pair
-    q, k, v, s = _inputs(1, 4, 1, 45, 45, D, Dv, torch.float32, device)
+def test_split_dkdv_fp32(flat, device):
+    """The split dK/dV path (float32 partials of both widths summed in a fixed order) and the flat loops."""
+    q, k, v, s = _inputs(1, 4, 1, 45, 45, 24, 40, torch.float32, device)
     dout, dlse = _upstream(q, v)
     args = dict(causal=True, window=(20, 0), sink_tokens=2)
     pattern = Pattern.make(45, 45, **args)
-    cfg = dataclasses.replace(backward_config(D, torch.float32, pattern, device, value_dim=Dv), head_splits=2,
+    cfg = dataclasses.replace(backward_config(24, torch.float32, pattern, device, value_dim=40), head_splits=2,
                               q_chunk=1, flat=flat)
     ref = _oracle(q, k, v, s, dout, dlse, args, torch.float64)
     out, lse = ref[0].float(), ref[1].float()
-    grads = attention_backward(dout, q, k, v, out, lse, dlse, s, pattern, D ** -0.5, config=cfg)
+    grads = attention_backward(dout, q, k, v, out, lse, dlse, s, pattern, 24 ** -0.5, config=cfg)
     for name, g, r in zip(GRADS, grads, ref[2]):
         assert g.shape == r.shape and relative_error(g, r) < 1e-4, name
-
-
-def test_head_parts():
-    """Two power-of-two parts where they are narrower than one padded tile, else one padded tile."""
-    assert [head_parts(d) for d in (40, 80, 96, 160, 192, 320, 576)] == [
-        (32, 16), (64, 16), (64, 32), (128, 32), (128, 64), (256, 64), (512, 64)]
-    for d in (1, 8, 16, 24, 32, 64, 100, 112, 128, 256, 1024):
-        assert head_parts(d) == (configs.pad_head_dim(d), 0), d
-    for d in range(1, 1025):
-        lo, hi = head_parts(d)
-        assert head_lanes(d) == lo + hi >= d and lo & (lo - 1) == 0 and lo >= 16, d
-        if hi:  # lo the largest power of two below d, hi pads the rest, together narrower than one tile
-            assert lo < d <= 2 * lo and hi == max(16, configs.pad_head_dim(d - lo)) and lo + hi < 2 * lo, d
-
-
-@pytest.mark.parametrize("pair", ["d96", "d192-dv128"])
-def test_triton_split_head_packed_fp32(pair, device):
-    """Packed sequences with D held as two parts: each sequence's output and gradients against the oracle."""
-    D, Dv = SPLIT_PAIRS[pair]
-    lengths_q, lengths_k = [5, 19, 1, 12], [9, 19, 3, 12]
-    args = dict(causal=True, window=(6, 0), sink_tokens=1)
-    q = torch.randn(sum(lengths_q), 4, D, device=device)
-    k = torch.randn(sum(lengths_k), 2, D, device=device)
-    v = torch.randn(sum(lengths_k), 2, Dv, device=device)
-    dout = torch.randn(sum(lengths_q), 4, Dv, device=device)
-    cu_q, cu_k = (torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32, device=device)
-                  for n in (lengths_q, lengths_k))
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = gstar.flash_attention_varlen(*leaves, cu_q, cu_k, max(lengths_q), max(lengths_k), backend="triton",
-                                       **args)
-    grads = torch.autograd.grad((out * dout).sum(), leaves)
-    out = out.detach()
-    for i in range(len(lengths_q)):
-        rows, keys = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
-        one = [t[r].double().transpose(0, 1)[None].requires_grad_() for t, r in zip((q, k, v), (rows, keys, keys))]
-        ref = naive_attention(*one, **args)[0]                                      # (1, 4, n, Dv)
-        ref_grads = torch.autograd.grad(ref, one, dout[rows].double().transpose(0, 1)[None])
-        assert relative_error(out[rows], ref[0].transpose(0, 1)) < 1e-4
-        for name, g, r, part in zip("qkv", grads, ref_grads, (rows, keys, keys)):
-            assert relative_error(g[part], r[0].transpose(0, 1)) < 1e-4, f"d{name}, sequence {i}"
-
-
-def test_split_head_keeps_pointer_loads():
-    """A descriptor moves one tile shape: backward plans turn the descriptor loads off for a split D."""
-    pattern = Pattern.make(64, 64, causal=True)
-    cfg = BackwardConfig(16, 32, 32, 16, dq_tma=True, dkdv_tma=True)
-    for D, Dv, tma in ((128, 64, True), (192, 128, False), (96, 96, False)):
-        plan = attention._backward_plan((1, 2, 64, D), (2 * 64 * D, 64 * D, D, 1), (1, 2, 64, D),
-                                        (2 * 64 * D, 64 * D, D, 1), (1, 2, 64, Dv), (2 * 64 * Dv, 64 * Dv, Dv, 1),
-                                        (2 * 64 * Dv, 64 * Dv, Dv, 1), (2 * 64 * Dv, 64 * Dv, Dv, 1), None,
-                                        torch.bfloat16, torch.device("cpu"), False, pattern, D ** -0.5, None, cfg,
-                                        "tf32")
-        assert (plan.dq_tma, plan.dkdv_tma) == (tma, tma), (D, Dv)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -376,13 +312,6 @@ def test_config_fits_the_mean_padded_width(monkeypatch):
     assert (fwd["BLOCK_M"], fwd["BLOCK_N"], fwd["num_stages"], fwd["HALVES"]) == (128, 64, 3, False)
     bwd = backward_config(192, torch.bfloat16, pattern, "cuda", batch_heads=256, value_dim=128)
     assert (bwd.dkdv_m, bwd.dkdv_n, bwd.dq_m, bwd.dq_n, bwd.dq_tma) == (32, 128, 128, 64, True)
-    # D held as two parts counts their lanes (192 = 128 + 64: width 160), which keeps the rows above
-    assert configs.width(192, 128) == 160 and configs.width(96) == (96 + 128) // 2
-    for D in (80, 96):
-        assert (configs.forward_config(D, torch.bfloat16, pattern, "cuda")
-                == configs.forward_config(128, torch.bfloat16, pattern, "cuda"))
-        assert (backward_config(D, torch.bfloat16, pattern, "cuda")
-                == backward_config(128, torch.bfloat16, pattern, "cuda"))
 
 
 # ---------------------------------------------------------------------------------------------- GPU tier
@@ -412,16 +341,12 @@ def test_gpu_within_bar(case, sinks):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D,Dv,changes", [(128, 64, dict(dq_tma=True, dkdv_tma=True)),
-                                          (192, 128, dict(head_splits=2, q_chunk=3)),
-                                          (128, 64, dict(head_splits=2, q_chunk=3, flat=True, dq_tma=True)),
-                                          (192, 128, dict(dq_tma=True, dkdv_tma=True))],
-                         ids=["descriptors", "split", "split-flat-descriptors", "two-part-pointers"])
-def test_gpu_backward_paths_within_bar(D, Dv, changes):
-    """Forced below their thresholds: descriptor loads of both widths at (128, 64), the split dK/dV path, and
-    descriptor requests at (192, 128), which keep the pointer path (D 192 is held as two parts,
-    :func:`test_split_head_keeps_pointer_loads`)."""
-    B, Hq, Hkv, N = 1, 8, 2, 1000
+@pytest.mark.parametrize("changes", [dict(dq_tma=True, dkdv_tma=True), dict(head_splits=2, q_chunk=3),
+                                     dict(head_splits=2, q_chunk=3, flat=True, dq_tma=True)],
+                         ids=["descriptors", "split", "split-flat-descriptors"])
+def test_gpu_backward_paths_within_bar(changes):
+    """Descriptor loads of both widths and the split dK/dV path at (192, 128), forced below their thresholds."""
+    B, Hq, Hkv, N, D, Dv = 1, 8, 2, 1000, 192, 128
     args = dict(causal=True, window=(300, 0), sink_tokens=4)
     q, k, v, s = _inputs(B, Hq, Hkv, N, N, D, Dv, torch.bfloat16, "cuda")
     dout, dlse = _upstream(q, v)

@@ -19,7 +19,7 @@ from ..pattern import Pattern, cdiv, kv_block_table
 from .. import buffers
 from . import descriptors
 from .backward import _dkdv, _dq, _sum_partials
-from .configs import BackwardConfig, backward_config, dot_precision, forward_config, head_lanes, head_parts, pad_head_dim
+from .configs import BackwardConfig, backward_config, dot_precision, forward_config, pad_head_dim
 from .forward import _forward_kernel, tiles_fastest
 from .launch import constexprs, launch
 from .schedule import split_plan
@@ -116,7 +116,7 @@ class _BackwardPlan(NamedTuple):
 
     stats_shape: tuple          # delta and lse2: (2, B, Hq, Nq) float32
     shares_shape: tuple | None  # dsinks shares: (seqs, n_q_tiles, Hq) float32, None without sinks
-    partials_shapes: tuple | None  # dK, dV partials: (B, Hkv, head_splits, n_items, dkdv_n, D_LANES or DV_PAD)
+    partials_shapes: tuple | None  # dK, dV partials: (B, Hkv, head_splits, n_items, dkdv_n, D_PAD or DV_PAD)
     dq_grid: tuple
     dq_head: tuple              # strides of q, k, v, out, dout
     dq_tail: tuple              # strides of dLSE and LSE, Nq, Nk, left, right, sink_tokens, scale, qk_scale
@@ -148,9 +148,7 @@ def _backward_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tu
     group = Hq // Hkv
     varlen = seqs is not None
     cfg = config or backward_config(D, dtype, pattern, device, batch_heads=B * Hq, group=group, value_dim=Dv)
-    d_lanes, dv_pad = head_lanes(D), pad_head_dim(Dv)
-    # a descriptor moves one tile shape: query / key operands held as two parts keep the pointer path
-    tma_ok = not varlen and head_parts(D)[1] == 0
+    d_pad, dv_pad = pad_head_dim(D), pad_head_dim(Dv)
     shared = dict(
         HAS_LEFT=pattern.left >= 0, HAS_RIGHT=pattern.right >= 0, HAS_SINK_TOKENS=pattern.sink_tokens > 0,
         PRECISION=precision, GROUP=group, HEAD_DIM=D, VALUE_DIM=Dv, FLAT=cfg.flat,
@@ -181,22 +179,22 @@ def _backward_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tu
     return _BackwardPlan(
         stats_shape=(2, B, Hq, Nq),
         shares_shape=(programs, n_q_tiles, Hq) if has_sinks else None,
-        partials_shapes=tuple((B, Hkv, head_splits, n_items, cfg.dkdv_n, w) for w in (d_lanes, dv_pad))
+        partials_shapes=tuple((B, Hkv, head_splits, n_items, cfg.dkdv_n, pad) for pad in (d_pad, dv_pad))
         if split else None,
         dq_grid=(n_q_tiles, Hq // pack, programs),
         dq_head=(q_s, k_s, v_s, o_s, do_s),
         dq_tail=(dl_s, lse_strides, Nq, Nk, *runtime),
-        dq_options=tuple(dq_options), dq_tma=cfg.dq_tma and tma_ok,
+        dq_options=tuple(dq_options), dq_tma=cfg.dq_tma and not varlen,
         kv_table=None if varlen else kv_block_table(pattern, rows, cfg.dq_n, device),  # (n_q_tiles, 5)
         dkdv_grid=(n_items, Hkv * head_splits, programs),
         dkdv_head=(q_s, k_s, v_s, do_s),
         dkdv_tail=(lse_strides, Nq, Nk, head_splits, n_items, programs * n_q_tiles, *runtime),
-        dkdv_options=tuple(dkdv_options), dkdv_tma=cfg.dkdv_tma and tma_ok, work=work,
+        dkdv_options=tuple(dkdv_options), dkdv_tma=cfg.dkdv_tma and not varlen, work=work,
         sum_grid=(n_tiles, Hkv, B) if split else None,
         sum_tail=(Hkv, Nk, head_splits, n_items),
         sum_options=constexprs(BLOCK_N=cfg.dkdv_n, HEAD_DIM=D, VALUE_DIM=Dv, num_warps=4),
-        first=first, dq_tiles=tuple((1, 1, cfg.dq_n, w) for w in (d_lanes, dv_pad)),
-        dkdv_tiles=tuple((1, 1, cfg.dkdv_m, w) for w in (d_lanes, dv_pad)),
+        first=first, dq_tiles=tuple((1, 1, cfg.dq_n, pad) for pad in (d_pad, dv_pad)),
+        dkdv_tiles=tuple((1, 1, cfg.dkdv_m, pad) for pad in (d_pad, dv_pad)),
     )
 
 

@@ -24,9 +24,7 @@ engine zero-fills rows past the sequence and lanes past the head dim, so those l
 
 Packed sequences (``CuQ``, ``CuK`` given) run the same kernels with the sequence on grid axis 2: each program
 reads its sequence's bounds from ``cu_seqlens`` on the device, so one launch per kernel covers every
-sequence. Learned sinks, an LSE gradient and the head dims' tiles likewise follow from the arguments: the
-query / key operands and dQ, dK (accumulators and partials) are held as the parts of
-:func:`gstar.kernels.configs.head_parts` (:mod:`gstar.kernels.parts`), the value-dim ones as one padded tile.
+sequence. Learned sinks, an LSE gradient and the padded head dim likewise follow from the arguments.
 
 Each tile step is one ``@triton.jit`` helper with a ``MASKED`` flag. By default a program walks masked
 boundary ranges and an unmasked interior as separate loops (interior tiles skip the visibility rule,
@@ -45,8 +43,7 @@ import triton
 import triton.language as tl
 
 from ..pattern import KV_BAND_END, KV_BAND_START, KV_FULL_END, KV_FULL_START, KV_SINK_END
-from . import parts
-from .configs import head_parts, next_power_of_2, pad_head_dim
+from .configs import next_power_of_2, pad_head_dim
 from .ranges import kv_range, q_range, sequence_bounds, tile_rows, visible
 
 _LOG2E = tl.constexpr(math.log2(math.e))
@@ -56,46 +53,52 @@ assert (KV_SINK_END, KV_BAND_START, KV_FULL_START, KV_FULL_END, KV_BAND_END) == 
 
 @triton.constexpr_function
 def _block_rows(width: int, limit: int = 1 << 30) -> int:
-    """Rows per step of a float32 block ``width`` columns wide that a reduction adds up: a power of two,
-    about 2048 elements, at least 16 rows (and at most ``limit``)."""
-    return min(limit, max(16, 2048 // next_power_of_2(width)))
+    """Rows per step of a float32 block ``width`` columns wide that a reduction adds up: about 2048
+    elements, at least 16 rows (and at most ``limit``)."""
+    return min(limit, max(16, 2048 // width))
 
 
 @triton.jit
-def _load_rows(ptr, idx, n, stride, CHECK_ROWS: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr):
-    """Rows ``idx`` (R,) of an (n, WIDTH) matrix with row stride ``stride`` as (R, w) parts (one padded part
-    unless SPLIT: :mod:`gstar.kernels.parts`), zeros outside. Unchecked rows load without a row mask."""
-    rows = ptr + idx.to(tl.int64) * stride                                              # (R,)
-    return parts.load(parts.pointers(rows, WIDTH, SPLIT), idx < n if CHECK_ROWS else None, WIDTH, SPLIT)
+def _load_rows(ptr, idx, n, stride, CHECK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Rows ``idx`` (R,) of an (n, HEAD_DIM) matrix with row stride ``stride`` as an (R, D_PAD) tile, zeros
+    outside. Unchecked rows and an unpadded head dim load without a mask."""
+    offs_d = tl.arange(0, pad_head_dim(HEAD_DIM))                                       # (D_PAD,)
+    ptrs = ptr + idx.to(tl.int64)[:, None] * stride + offs_d[None, :]
+    if CHECK_ROWS:
+        x = tl.load(ptrs, mask=(idx[:, None] < n) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    elif HEAD_DIM != pad_head_dim(HEAD_DIM):
+        x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
 
 
 @triton.jit
 def _load_pair(A, B, seq, head, start, n, stride_a, stride_b, ROWS: tl.constexpr, CHECK_ROWS: tl.constexpr,
                A_DIM: tl.constexpr, B_DIM: tl.constexpr, TMA: tl.constexpr):
-    """Rows ``start .. start + ROWS - 1`` of one head of a query / key operand A_DIM wide and a value-dim
-    operand B_DIM wide, as (ROWS, w) parts and one (ROWS, B_PAD) tile, zeros outside.
+    """Rows ``start .. start + ROWS - 1`` of one head of two operands, A_DIM and B_DIM wide, as (ROWS, A_PAD)
+    and (ROWS, B_PAD) tiles, zeros outside.
 
     With TMA, A and B are descriptors over (B, H, n, A_DIM or B_DIM) read at batch ``seq``, head ``head``
-    (int32), whose copy engine zero-fills rows past n and lanes past the head dim; the host gives them only
-    for an A_DIM of one part (a split operand keeps the pointer path: one descriptor moves one tile shape).
-    Otherwise pointers at row 0 of the head with row strides ``stride_a``, ``stride_b`` (see ``_load_rows``).
+    (int32), whose copy engine zero-fills rows past n and lanes past the head dim; otherwise pointers at row
+    0 of the head with row strides ``stride_a``, ``stride_b`` (see ``_load_rows``).
     """
     if TMA:
-        tl.static_assert(head_parts(A_DIM)[1] == 0, "split head dims load through pointers")
-        a = (A.load([seq, head, start, 0]).reshape(ROWS, pad_head_dim(A_DIM)),)
+        a = A.load([seq, head, start, 0]).reshape(ROWS, pad_head_dim(A_DIM))
         b = B.load([seq, head, start, 0]).reshape(ROWS, pad_head_dim(B_DIM))
     else:
         idx = start + tl.arange(0, ROWS)                                                # (ROWS,)
-        a = _load_rows(A, idx, n, stride_a, CHECK_ROWS, A_DIM, True)
-        b = _load_rows(B, idx, n, stride_b, CHECK_ROWS, B_DIM, False)[0]  # value dims: one part
+        a = _load_rows(A, idx, n, stride_a, CHECK_ROWS, A_DIM)
+        b = _load_rows(B, idx, n, stride_b, CHECK_ROWS, B_DIM)
     return a, b
 
 
 @triton.jit
-def _store_rows(ptr, idx, n, stride, x, WIDTH: tl.constexpr, SPLIT: tl.constexpr):
-    """Stores the (R, w) parts ``x`` (one padded part unless SPLIT) into rows ``idx`` (R,) of an (n, WIDTH)
-    matrix, cast to its dtype."""
-    parts.store(parts.pointers(ptr + idx.to(tl.int64) * stride, WIDTH, SPLIT), x, idx < n, WIDTH, SPLIT)
+def _store_rows(ptr, idx, n, stride, x, HEAD_DIM: tl.constexpr):
+    """Stores the (R, D_PAD) tile ``x`` into rows ``idx`` (R,) of an (n, HEAD_DIM) matrix, cast to its dtype."""
+    offs_d = tl.arange(0, pad_head_dim(HEAD_DIM))                                       # (D_PAD,)
+    ptrs = ptr + idx.to(tl.int64)[:, None] * stride + offs_d[None, :]
+    tl.store(ptrs, x.to(ptr.dtype.element_ty), mask=(idx[:, None] < n) & (offs_d[None, :] < HEAD_DIM))
 
 
 @triton.jit
@@ -127,16 +130,16 @@ def _dkdv_step(
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, TMA: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Adds one Q tile's contribution to dk, (BLOCK_N, w) float32 parts, and dv (BLOCK_N, DV_PAD) float32.
+    """Adds one Q tile's contribution to dk (BLOCK_N, D_PAD) and dv (BLOCK_N, DV_PAD), float32.
 
-    k: (BLOCK_N, w) parts and v: (BLOCK_N, DV_PAD) of keys ``offs_n`` (BLOCK_N,); LSE2, DELTA point at the
+    k: (BLOCK_N, D_PAD) and v: (BLOCK_N, DV_PAD) of keys ``offs_n`` (BLOCK_N,); LSE2, DELTA point at the
     (Nq,) rows of one query head, and so do Q, DO, or with TMA they are descriptors over (B, Hq, Nq,
     HEAD_DIM) and (B, Hq, Nq, VALUE_DIM) read at batch ``seq``, head ``head`` (int32). Scores are kept transposed, (BLOCK_N, BLOCK_M), so that both products
     land in the accumulators' layout.
     """
     offs_m = m_start + tl.arange(0, BLOCK_M)                                            # (BLOCK_M,)
     q, do = _load_pair(Q, DO, seq, head, m_start, nq, stride_qn, stride_don, ROWS=BLOCK_M, CHECK_ROWS=MASKED,
-                       A_DIM=HEAD_DIM, B_DIM=VALUE_DIM, TMA=TMA)              # (BLOCK_M, w) parts, (BLOCK_M, DV_PAD)
+                       A_DIM=HEAD_DIM, B_DIM=VALUE_DIM, TMA=TMA)              # (BLOCK_M, D_PAD), (BLOCK_M, DV_PAD)
     if MASKED:
         lse2 = tl.load(LSE2 + offs_m, mask=offs_m < nq, other=float("inf"))             # (BLOCK_M,)
         delta = tl.load(DELTA + offs_m, mask=offs_m < nq, other=0.0)                    # (BLOCK_M,)
@@ -145,7 +148,7 @@ def _dkdv_step(
         delta = tl.load(DELTA + offs_m)
     # both products that need only loaded tiles first, then the softmax work, so that the second product
     # overlaps the exponentials (dQ's step is faster in its own order): benchmarks/NOTES.md, 'dK/dV product order'
-    s_t = parts.dot(k, q, PRECISION, TRANS_B=True)                                      # (BLOCK_N, BLOCK_M)
+    s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)                              # (BLOCK_N, BLOCK_M)
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)                            # (BLOCK_N, BLOCK_M)
     p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
     if MASKED:
@@ -154,7 +157,7 @@ def _dkdv_step(
         p_t = tl.where(ok, p_t, 0.0)
     dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
     ds_t = p_t * (dp_t - delta[None, :])
-    dk = parts.dot_into(dk, ds_t.to(q[0].dtype), q, PRECISION)
+    dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
     return dk, dv
 
 
@@ -193,14 +196,14 @@ def _dkdv(
     found through CuQ, CuK (see ``_forward_kernel``), every KV tile of the longest one is an item, and
     :func:`gstar.kernels.ranges.q_range` finds its Q tiles. Without SPLIT every KV tile is one item and the
     whole group one split: the result goes to DK, DV in their dtype. With SPLIT (dense only) DK and DV are
-    float32 partials ``(B, Hkv, head_splits, n_items, BLOCK_N, D_LANES or DV_PAD)`` contiguous (D_LANES:
-    :func:`gstar.kernels.configs.head_lanes`, the parts side by side), summed by
+    float32 partials ``(B, Hkv, head_splits, n_items, BLOCK_N, D_PAD or DV_PAD)`` contiguous, summed by
     ``_sum_partials``. TMA (dense only): Q and DO are tensor descriptors moving (1, 1, BLOCK_M, D_PAD) and
     (1, 1, BLOCK_M, DV_PAD) tiles.
     With learned sinks (DSINKS: (Hq,) float32, SHARES: (n_shares, Hq) float32, else both None) the program
     of item 0 and sequence 0 of each (kv head, head split) also sums its query heads' dsinks shares, which
     ``_dq`` (launched before) stored, into DSINKS (one launch fewer).
     """
+    D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
     DV_PAD: tl.constexpr = pad_head_dim(VALUE_DIM)
     HAS_SINKS: tl.constexpr = DSINKS is not None
     VARLEN: tl.constexpr = CuQ is not None
@@ -231,9 +234,9 @@ def _dkdv(
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)                                     # (BLOCK_N,)
     k_head = K + b * stride_k[0] + hkv * stride_k[1] + k_start * stride_k[2]
     v_head = V + b * stride_v[0] + hkv * stride_v[1] + k_start * stride_v[2]
-    k = _load_rows(k_head, offs_n, nk, stride_k[2], True, HEAD_DIM, True)               # (BLOCK_N, w) parts
-    v = _load_rows(v_head, offs_n, nk, stride_v[2], True, VALUE_DIM, False)[0]          # (BLOCK_N, DV_PAD)
-    dk = parts.zeros(BLOCK_N, HEAD_DIM)
+    k = _load_rows(k_head, offs_n, nk, stride_k[2], True, HEAD_DIM)                     # (BLOCK_N, D_PAD)
+    v = _load_rows(v_head, offs_n, nk, stride_v[2], True, VALUE_DIM)                    # (BLOCK_N, DV_PAD)
+    dk = tl.zeros((BLOCK_N, D_PAD), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, DV_PAD), dtype=tl.float32)
     if FLAT:  # one pipelined loop over (head, Q tile) pairs, every tile masked
         n_m = m_end - m_start
@@ -267,13 +270,13 @@ def _dkdv(
     if SPLIT:
         # pid_h = hkv * head_splits + split, so this is partial [b, hkv, split, item]
         slot = (b * tl.num_programs(1) + pid_h) * n_items + item
-        _store_partial(DK, slot, parts.scaled(dk, scale), HEAD_DIM, True)
-        _store_partial(DV, slot, (dv,), VALUE_DIM, False)
+        _store_partial(DK, slot, dk * scale)
+        _store_partial(DV, slot, dv)
     else:
         dk_head = DK + b * stride_dk[0] + hkv * stride_dk[1] + k_start * stride_dk[2]
         dv_head = DV + b * stride_dv[0] + hkv * stride_dv[1] + k_start * stride_dv[2]
-        _store_rows(dk_head, offs_n, nk, stride_dk[2], parts.scaled(dk, scale), HEAD_DIM, True)
-        _store_rows(dv_head, offs_n, nk, stride_dv[2], (dv,), VALUE_DIM, False)
+        _store_rows(dk_head, offs_n, nk, stride_dk[2], dk * scale, HEAD_DIM)
+        _store_rows(dv_head, offs_n, nk, stride_dv[2], dv, VALUE_DIM)
     if HAS_SINKS:
         # after the tile's own work: before it, this sum changes the code ptxas generates for the loops above
         if (item == 0) & (seq == 0):
@@ -281,32 +284,30 @@ def _dkdv(
 
 
 @triton.jit
-def _store_partial(P, slot, x, WIDTH: tl.constexpr, SPLIT: tl.constexpr):
-    """Stores the (BLOCK_N, w) float32 parts ``x`` of a WIDTH-wide operand (one padded part unless SPLIT)
-    as partial ``slot`` of P, (n_slots, BLOCK_N, W) contiguous with W the lanes of the parts side by side."""
-    BLOCK_N: tl.constexpr = x[0].shape[0]
-    W: tl.constexpr = parts.span(WIDTH, SPLIT)
-    rows = P + slot * (BLOCK_N * W) + tl.arange(0, BLOCK_N) * W                         # (BLOCK_N,)
-    parts.store(parts.pointers(rows, WIDTH, SPLIT), x, None, WIDTH, SPLIT)
+def _store_partial(P, slot, x):
+    """Stores the (BLOCK_N, W) float32 tile ``x`` as partial ``slot`` of P, (n_slots, BLOCK_N, W) contiguous."""
+    BLOCK_N: tl.constexpr = x.shape[0]
+    W: tl.constexpr = x.shape[1]
+    offs = tl.arange(0, BLOCK_N)[:, None] * W + tl.arange(0, W)[None, :]               # (BLOCK_N, W)
+    tl.store(P + slot * (BLOCK_N * W) + offs, x)
 
 
 @triton.jit
 def _sum_tile(P, D, first, last, head_base, n_items, tile, nk, stride_d, BLOCK_N: tl.constexpr,
-              WIDTH: tl.constexpr, SPLIT: tl.constexpr, head_splits):
+              WIDTH: tl.constexpr, head_splits):
     """Rows ``tile * BLOCK_N ..`` of D (Nk, WIDTH) of one kv head = the sum of the partials ``(head_base + s,
-    i)`` of P, (.., n_items, BLOCK_N, W) float32 (``_store_partial``'s layout), for each head split s and
-    item ``first <= i < last``, in that order."""
-    W: tl.constexpr = parts.span(WIDTH, SPLIT)
-    ROWS: tl.constexpr = _block_rows(W, BLOCK_N)
+    i)`` of P, (.., n_items, BLOCK_N, W_PAD) float32, for each head split s and item ``first <= i < last``,
+    in that order."""
+    W_PAD: tl.constexpr = pad_head_dim(WIDTH)
+    ROWS: tl.constexpr = _block_rows(W_PAD, BLOCK_N)
     for r in range(0, BLOCK_N, ROWS):
         offs_r = r + tl.arange(0, ROWS)                                                 # (ROWS,)
-        tile_ptrs = parts.pointers(P + offs_r * W, WIDTH, SPLIT)                        # (ROWS, w) parts
-        acc = parts.zeros(ROWS, WIDTH, SPLIT)
+        tile_offs = offs_r[:, None] * W_PAD + tl.arange(0, W_PAD)[None, :]              # (ROWS, W_PAD)
+        acc = tl.zeros((ROWS, W_PAD), dtype=tl.float32)
         for s in range(0, head_splits):
             for i in range(first, last):
-                partial = parts.shifted(tile_ptrs, ((head_base + s) * n_items + i) * (BLOCK_N * W))
-                acc = parts.added(acc, parts.load(partial, None, WIDTH, SPLIT))
-        _store_rows(D, tile * BLOCK_N + offs_r, nk, stride_d, acc, WIDTH, SPLIT)
+                acc += tl.load(P + ((head_base + s) * n_items + i) * (BLOCK_N * W_PAD) + tile_offs)
+        _store_rows(D, tile * BLOCK_N + offs_r, nk, stride_d, acc, WIDTH)
 
 
 @triton.jit
@@ -315,7 +316,7 @@ def _sum_partials(PK, PV, DK, DV, FIRST, stride_dk, stride_dv, Hkv, nk, head_spl
     """Grid ``(cdiv(Nk, BLOCK_N), Hkv, B)``: dK, dV of one KV tile = the sum of its partials, head split by
     head split and work item by work item (a fixed order: bitwise reproducible).
 
-    PK, PV: (B, Hkv, head_splits, n_items, BLOCK_N, D_LANES or DV_PAD) float32 contiguous (``_dkdv``'s); DK: (B, Hkv, Nk,
+    PK, PV: (B, Hkv, head_splits, n_items, BLOCK_N, D_PAD or DV_PAD) float32 contiguous; DK: (B, Hkv, Nk,
     HEAD_DIM), DV: (B, Hkv, Nk, VALUE_DIM) with (batch, head, row) strides ``stride_dk``, ``stride_dv``;
     FIRST: (n tiles + 1,) int32, the tile's items are ``FIRST[t] .. FIRST[t + 1] - 1``."""
     tile = tl.program_id(0)
@@ -325,9 +326,9 @@ def _sum_partials(PK, PV, DK, DV, FIRST, stride_dk, stride_dv, Hkv, nk, head_spl
     last = tl.load(FIRST + tile + 1)
     head_base = (b * Hkv + hkv) * head_splits
     _sum_tile(PK, DK + b * stride_dk[0] + hkv * stride_dk[1], first, last, head_base, n_items, tile, nk,
-              stride_dk[2], BLOCK_N, HEAD_DIM, True, head_splits)
+              stride_dk[2], BLOCK_N, HEAD_DIM, head_splits)
     _sum_tile(PV, DV + b * stride_dv[0] + hkv * stride_dv[1], first, last, head_base, n_items, tile, nk,
-              stride_dv[2], BLOCK_N, VALUE_DIM, False, head_splits)
+              stride_dv[2], BLOCK_N, VALUE_DIM, head_splits)
 
 
 @triton.jit
@@ -338,17 +339,17 @@ def _dq_step(
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, TMA: tl.constexpr,
     PRECISION: tl.constexpr, ROW_SUMS: tl.constexpr,
 ):
-    """Adds one KV block's contribution to dq, (BLOCK_M, w) float32 parts, and, with ROW_SUMS, to
+    """Adds one KV block's contribution to dq (BLOCK_M, D_PAD) float32 and, with ROW_SUMS, to
     pdp (BLOCK_M,) float32, the rows' sums of P * dP.
 
-    q: (BLOCK_M, w) parts and do: (BLOCK_M, DV_PAD) of query positions ``offs_m`` (BLOCK_M,); lse2, delta:
+    q: (BLOCK_M, D_PAD) and do: (BLOCK_M, DV_PAD) of query positions ``offs_m`` (BLOCK_M,); lse2, delta:
     (BLOCK_M,); K, V point at key 0 of the kv head, or with TMA are descriptors over (B, Hkv, Nk, HEAD_DIM)
     and (B, Hkv, Nk, VALUE_DIM) read at batch ``seq``, head ``kv_head`` (int32).
     """
     offs_n = n_start + tl.arange(0, BLOCK_N)                                            # (BLOCK_N,)
     k, v = _load_pair(K, V, seq, kv_head, n_start, nk, stride_kn, stride_vn, ROWS=BLOCK_N, CHECK_ROWS=MASKED,
-                      A_DIM=HEAD_DIM, B_DIM=VALUE_DIM, TMA=TMA)               # (BLOCK_N, w) parts, (BLOCK_N, DV_PAD)
-    s = parts.dot(q, k, PRECISION, TRANS_B=True)                                        # (BLOCK_M, BLOCK_N)
+                      A_DIM=HEAD_DIM, B_DIM=VALUE_DIM, TMA=TMA)               # (BLOCK_N, D_PAD), (BLOCK_N, DV_PAD)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)                                # (BLOCK_M, BLOCK_N)
     p = tl.math.exp2(s * qk_scale - lse2[:, None])
     if MASKED:
         ok = visible(offs_m[:, None], offs_n[None, :], nq, nk, left, right, sink_tokens,
@@ -358,7 +359,7 @@ def _dq_step(
     ds = p * (dp - delta[:, None])
     if ROW_SUMS:
         pdp += tl.sum(p * dp, 1)
-    dq = parts.dot_into(dq, ds.to(k[0].dtype), k, PRECISION)
+    dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     return dq, pdp
 
 
@@ -390,6 +391,7 @@ def _dq(
     TMA (dense only): K and V are tensor descriptors moving (1, 1, BLOCK_N, D_PAD) and (1, 1, BLOCK_N,
     DV_PAD) tiles.
     """
+    D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
     DV_PAD: tl.constexpr = pad_head_dim(VALUE_DIM)
     HAS_SINKS: tl.constexpr = Sinks is not None
     VARLEN: tl.constexpr = CuQ is not None
@@ -411,12 +413,14 @@ def _dq(
     hkv = h0 // GROUP
     # each row's query head, position, whether it is < nq, and index along the sequence axis: (BLOCK_M,)
     heads, pos, rows, tokens = tile_rows(tl.arange(0, BLOCK_M), h0, pid_m * ROWS, q_start, nq, ROWS)
+    offs_d = tl.arange(0, D_PAD)                                                        # (D_PAD,)
     offs_dv = tl.arange(0, DV_PAD)                                                      # (DV_PAD,)
+    tile_ok = rows[:, None] & (offs_d[None, :] < HEAD_DIM)                              # (BLOCK_M, D_PAD)
     value_ok = rows[:, None] & (offs_dv[None, :] < VALUE_DIM)                           # (BLOCK_M, DV_PAD)
     q_rows = b * stride_q[0] + heads * stride_q[1] + tokens * stride_q[2]               # (BLOCK_M,)
     do_rows = b * stride_do[0] + heads * stride_do[1] + tokens * stride_do[2]
     o_rows = b * stride_o[0] + heads * stride_o[1] + tokens * stride_o[2]
-    q = parts.load(parts.pointers(Q + q_rows, HEAD_DIM), rows, HEAD_DIM)               # (BLOCK_M, w) parts
+    q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=tile_ok, other=0.0)         # (BLOCK_M, D_PAD)
     do = tl.load(DO + do_rows[:, None] + offs_dv[None, :], mask=value_ok, other=0.0)    # (BLOCK_M, DV_PAD)
     o = tl.load(O + o_rows[:, None] + offs_dv[None, :], mask=value_ok, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)                        # (BLOCK_M,)
@@ -438,7 +442,7 @@ def _dq(
             pid_m * ROWS, nq, nk, left, right, sink_tokens, ROWS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     else:  # the host table, as in _dkdv
         sink_end, band_start, full_start, full_end, band_end = _table_row(KVTABLE, pid_m)
-    dq = parts.zeros(BLOCK_M, HEAD_DIM)
+    dq = tl.zeros((BLOCK_M, D_PAD), dtype=tl.float32)
     pdp = tl.zeros([BLOCK_M], dtype=tl.float32)  # rowsum(P * dP), summed for dsinks only
     if FLAT:  # one pipelined loop over the sink blocks then the band, every block masked
         for i in range(0, sink_end + band_end - band_start):
@@ -462,7 +466,7 @@ def _dq(
                     HAS_RIGHT=HAS_RIGHT, HAS_SINK_TOKENS=HAS_SINK_TOKENS, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
                     VALUE_DIM=VALUE_DIM, TMA=TMA, PRECISION=PRECISION, ROW_SUMS=HAS_SINKS)
     dq_rows = b * stride_dq[0] + heads * stride_dq[1] + tokens * stride_dq[2]           # (BLOCK_M,)
-    parts.store(parts.pointers(DQ + dq_rows, HEAD_DIM), parts.scaled(dq, scale), rows, HEAD_DIM)
+    tl.store(DQ + dq_rows[:, None] + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=tile_ok)
     if HAS_SINKS:
         # with sinks every lse is finite (>= sinks[h]); rows past the end have pdp = dlse = 0 and lse2 = inf
         p_sink = tl.math.exp2(tl.load(Sinks + heads) * _LOG2E - lse2)                   # (BLOCK_M,)

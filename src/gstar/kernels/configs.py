@@ -16,11 +16,10 @@ import triton
 from ..pattern import Pattern
 
 # (largest width, BLOCK_M, BLOCK_N, num_warps, num_stages, HALVES); the first row whose width fits wins,
-# where a call's width is the mean of the lanes its head dims D and Dv take in the kernels (:func:`width`).
-# The D <= 128 rows are the fastest of scripts/tune-forward's sweeps (benchmarks/NOTES.md,
+# where a call's width is the mean of its padded head dims D and Dv (:func:`width`), D itself when they
+# are equal. The D <= 128 rows are the fastest of scripts/tune-forward's sweeps (benchmarks/NOTES.md,
 # 'Forward switches' for D <= 64 with PACK_GQA, 'HALVES at head dim 128' for D = 128), and so is the 192
-# row for latent attention's D = 192, Dv = 128, swept with D padded to 256 lanes before the kernels held it
-# as 128 + 64 ('Value head dim: tiles for D 192 / Dv 128'; a re-sweep may now fit larger tiles); the
+# row for latent attention's D = 192, Dv = 128 ('Value head dim: tiles for D 192 / Dv 128'); the
 # D = 256 row is checked by compiling for sm_90 only (no register spills). Wider heads (latent decoding's
 # 576 / 512) take short tiles that keep the (BLOCK_M, Dv) accumulator and the Q tile on chip: serving
 # shapes, where K/V traffic sets the time.
@@ -74,11 +73,10 @@ def _band_width(pattern: Pattern) -> int | None:
 
 
 def width(head_dim: int, value_dim: int | None = None) -> int:
-    """The head width the tile tables are keyed by: the mean of the lanes the kernels hold D in
-    (:func:`head_lanes`: D 192 takes 128 + 64) and the padded Dv, powers of two D itself. The Q tile and the
-    K stages hold D lanes, the V stages and the accumulators Dv, so the mean tracks the shared memory and
-    registers a tile needs."""
-    return (head_lanes(head_dim) + pad_head_dim(value_dim or head_dim)) // 2
+    """The head width the tile tables are keyed by: the mean of the padded D and Dv (D's padded width when
+    they are equal). The Q tile and the K stages hold D lanes, the V stages and the accumulators Dv, so the
+    mean tracks the shared memory and registers a tile needs."""
+    return (pad_head_dim(head_dim) + pad_head_dim(value_dim or head_dim)) // 2
 
 
 @functools.lru_cache(maxsize=16)
@@ -160,28 +158,6 @@ def pad_head_dim(d: int) -> int:
     return max(16, 1 << (d - 1).bit_length())
 
 
-@triton.constexpr_function
-def head_parts(d: int) -> tuple[int, int]:
-    """The widths ``(lo, hi)`` of the two tiles the kernels hold a ``d``-wide query / key operand in: lanes
-    ``[0, lo)`` and ``[lo, lo + hi)``, each a power of two, with every product over the head dim taken as
-    two dots into one accumulator. ``lo`` is the largest power of two below ``d`` and ``hi`` pads the rest
-    (at least 16, tl.dot's minimum); where that is no narrower than one padded tile, ``(pad_head_dim(d), 0)``:
-    D 192 = 128 + 64 (not 256), 96 = 64 + 32, 80 = 64 + 16, 576 = 512 + 64, but 100 and 128 one tile of 128.
-    Value dims keep one padded tile. The kernels derive the parts from HEAD_DIM, the host sizes the dK
-    partials with :func:`head_lanes`."""
-    pad = max(16, 1 << (d - 1).bit_length())
-    lo = pad // 2
-    hi = max(16, 1 << (d - lo - 1).bit_length()) if d > lo else 0
-    return (lo, hi) if lo >= 16 and 0 < hi and lo + hi < pad else (pad, 0)
-
-
-@triton.constexpr_function
-def head_lanes(d: int) -> int:
-    """The lanes the kernels hold a ``d``-wide query / key operand in: the sum of :func:`head_parts`."""
-    lo, hi = head_parts(d)
-    return lo + hi
-
-
 @dataclass(frozen=True)
 class BackwardConfig:
     """Tiles and launch settings of the two main backward kernels.
@@ -218,7 +194,7 @@ class BackwardConfig:
     dq_registers: int = 0
 
 
-# 16-bit rows: (largest width, narrow band only, dkdv (m, n, warps, stages, tma),
+# 16-bit rows: (largest padded head dim, narrow band only, dkdv (m, n, warps, stages, tma),
 # dq (m, n, warps, stages, tma));
 # the first row that matches wins. dK/dV keep two (dkdv_n, D_PAD) float32 accumulators and the K/V tile of
 # a program resident, so the key tile is as long as registers allow and the Q tile short; dQ is the mirror
@@ -231,7 +207,7 @@ class BackwardConfig:
 # D = 128 slower ('Backward tensor descriptors'). Each descriptor launch costs ~25 us more host time (Triton
 # encodes the descriptors in Python at every launch), more than the narrow window's kernels gain, so narrow
 # windows keep pointers, and so do backward passes under _DESCRIPTOR_MIN_WORK (B * Hq * Nq * keys per row
-# (the window's width, or Nk) * width; the gpt-oss causal case is 1.4e11): their GPU work (~0.3 ms at 1e10)
+# (the window's width, or Nk) * D_PAD; the gpt-oss causal case is 1.4e11): their GPU work (~0.3 ms at 1e10)
 # is too short for the host to stay ahead of it. The float32 rows are for accuracy, not speed, and keep the
 # pointer path, as does the unmeasured D = 256 row.
 _DESCRIPTOR_MIN_WORK = 10 ** 10
@@ -249,8 +225,8 @@ _BACKWARD_16BIT = (
 _DQ_NARROW_PACKED = (64, 32, 4, 2, False)
 _DQ_NARROW_PACK = 4
 # dQ's 8-warp tiles at head dim <= 64 fit two programs per SM (65,536 registers) at up to 128 registers a
-# thread; learned sinks' P * dP row sums take the compiler to 134 and halve that (the GPT-OSS causal dQ 1.6x
-# its time); capped at 128 they spill nothing (benchmarks/NOTES.md, 'dsinks from P * dP').
+# thread; learned sinks' P * dP row sums take the compiler to 134 and halve that, which costs the GPT-OSS
+# causal dQ 1.6x its time; capped at 128 it spills nothing (benchmarks/NOTES.md, 'dsinks from P * dP').
 _DQ_TWO_PROGRAMS = 128
 
 

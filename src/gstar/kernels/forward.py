@@ -15,9 +15,8 @@ is loaded once for all of them; ``FLAT`` walks the window band in one masked loo
 ``HALVES`` runs the tile as two halves whose softmax and products overlap (D = 128 on Hopper). The rest
 follows from the arguments: learned sinks from ``Sinks``, packed sequences from ``CuQ`` / ``CuK`` (each
 sequence's bounds read on the device, one launch for all), the grid order from the window bounds
-(:func:`tiles_fastest`), the head dims' tiles from ``HEAD_DIM`` (queries and keys, held as the parts of
-:func:`gstar.kernels.configs.head_parts`) and ``VALUE_DIM`` (values and the output, one padded tile, which
-may be narrower or wider).
+(:func:`tiles_fastest`), the padded head dims from ``HEAD_DIM`` (queries and keys) and ``VALUE_DIM``
+(values and the output, which may be narrower or wider).
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ import math
 import triton
 import triton.language as tl
 
-from . import parts
 from .configs import pad_head_dim
 from .ranges import kv_range, sequence_bounds, tile_rows, visible
 
@@ -87,24 +85,30 @@ def _attend_blocks(acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2,
     """Fold KV blocks ``[block_lo, block_hi)`` into the running state of one Q tile.
 
     ``(acc, m_i, l_i, q, rows)`` are the state and rows of the tile (or of its first half with HALVES), as
-    in :func:`_softmax_step`, with q: (R, w) parts (:mod:`gstar.kernels.parts`); ``(acc2, ..., rows2)``
-    those of the second half (ignored and returned as they came without HALVES). k_ptrs: (w, BLOCK_N)
-    pointer parts and v_ptrs: (BLOCK_N, DV_PAD) point at keys 0..BLOCK_N-1 of this kv head; offs_n:
-    (BLOCK_N,). Masked blocks also guard the loads of keys past ``Nk``; whole blocks load unmasked but for
-    the lanes of a part past the head dim.
+    in :func:`_softmax_step`, with q: (R, D_PAD); ``(acc2, ..., rows2)`` those of the second half (ignored
+    and returned as they came without HALVES). k_ptrs: (D_PAD, BLOCK_N) and v_ptrs: (BLOCK_N, DV_PAD) point
+    at keys 0..BLOCK_N-1 of this kv head; offs_n: (BLOCK_N,). Masked blocks also guard the loads of keys
+    past ``Nk``; whole blocks load unmasked unless their head dim is padded.
     HALVES: both halves' score products are issued before either softmax, so the tensor cores work on
     the second half's scores, then the first half's output, while the softmax of the other half runs.
     """
+    EVEN_D: tl.constexpr = HEAD_DIM == pad_head_dim(HEAD_DIM)
     EVEN_DV: tl.constexpr = VALUE_DIM == pad_head_dim(VALUE_DIM)
+    d_ok = tl.arange(0, pad_head_dim(HEAD_DIM)) < HEAD_DIM  # (D_PAD,) real lanes of q and k
     dv_ok = tl.arange(0, pad_head_dim(VALUE_DIM)) < VALUE_DIM  # (DV_PAD,) of v
     for block in range(block_lo, block_hi):
         start_n = block * BLOCK_N
         cols = start_n + offs_n  # (BLOCK_N,)
-        k = parts.load(parts.shifted(k_ptrs, start_n.to(tl.int64) * stride_kn), cols < Nk if MASKED else None,
-                       HEAD_DIM, TRANSPOSED=True)  # (w, BLOCK_N) parts of K^T
-        s = parts.dot(q, k, PRECISION)  # (R, BLOCK_N) raw scores
+        k_block = k_ptrs + start_n.to(tl.int64) * stride_kn
+        if MASKED:
+            k = tl.load(k_block, mask=d_ok[:, None] & (cols[None, :] < Nk), other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_block)
+        else:
+            k = tl.load(k_block, mask=d_ok[:, None], other=0.0)
+        s = tl.dot(q, k, input_precision=PRECISION)  # (R, BLOCK_N) raw scores
         if HALVES:
-            s2 = parts.dot(q2, k, PRECISION)
+            s2 = tl.dot(q2, k, input_precision=PRECISION)
         p, acc, m_i, l_i = _softmax_step(s, acc, m_i, l_i, rows, cols, qk_scale, Nq, Nk, left, right, sink_tokens,
                                          HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, MASKED, MAY_BE_EMPTY)
         v_block = v_ptrs + start_n.to(tl.int64) * stride_vn
@@ -127,11 +131,14 @@ def _attend_blocks(acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2,
 def _start_rows(Q, Sinks, offs, h0, row_start, q_start, b, stride_q, Nq, ROWS: tl.constexpr,
                 HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr):
     """Load the Q rows ``offs`` (R,) of the tile and start their softmax state: returns
-    ``(q, rows, acc, m_i, l_i)`` as :func:`_attend_blocks` takes them (q: (R, w) parts, acc: (R, DV_PAD))."""
+    ``(q, rows, acc, m_i, l_i)`` as :func:`_attend_blocks` takes them (acc: (R, DV_PAD))."""
     R: tl.constexpr = offs.shape[0]
+    D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
+    offs_d = tl.arange(0, D_PAD)
     heads, rows, row_ok, tokens = tile_rows(offs, h0, row_start, q_start, Nq, ROWS)
     q_rows = b * stride_q[0] + heads.to(tl.int64) * stride_q[1] + tokens * stride_q[2]  # (R,)
-    q = parts.load(parts.pointers(Q + q_rows, HEAD_DIM), row_ok, HEAD_DIM)  # (R, w) parts
+    q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
+                other=0.0)  # (R, D_PAD)
     acc = tl.zeros([R, pad_head_dim(VALUE_DIM)], dtype=tl.float32)
     if Sinks is not None:
         # exp2(m) * l = exp(sink): the sink is already in the sum, with no value to carry
@@ -188,6 +195,7 @@ def _forward_kernel(
     HALVES: the tile's rows as two halves of BLOCK_M // 2, each with its own scores and softmax state, so
     that one half's softmax overlaps the other half's products (BLOCK_M // 2 must still fill the MMA).
     """
+    D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
     DV_PAD: tl.constexpr = pad_head_dim(VALUE_DIM)
     VARLEN: tl.constexpr = CuQ is not None
     ROWS: tl.constexpr = BLOCK_M // PACK
@@ -209,6 +217,7 @@ def _forward_kernel(
     R: tl.constexpr = BLOCK_M // 2 if HALVES else BLOCK_M  # rows per softmax state
     offs_m = tl.arange(0, R)
     offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
     offs_dv = tl.arange(0, DV_PAD)
     q, rows, acc, m_i, l_i = _start_rows(Q, Sinks, offs_m, h0, row_start, q_start, b, stride_q, Nq, ROWS,
                                          HEAD_DIM, VALUE_DIM)
@@ -219,7 +228,7 @@ def _forward_kernel(
         q2, rows2, acc2, m2, l2 = q, rows, acc, m_i, l_i
     k_first = b * stride_k[0] + h_kv * stride_k[1] + k_start * stride_k[2]
     v_first = b * stride_v[0] + h_kv * stride_v[1] + k_start * stride_v[2]
-    k_ptrs = parts.pointers(K + k_first + offs_n * stride_k[2], HEAD_DIM, TRANSPOSED=True)  # (w, BLOCK_N) K^T
+    k_ptrs = K + k_first + offs_n[None, :] * stride_k[2] + offs_d[:, None]  # (D_PAD, BLOCK_N) K^T
     v_ptrs = V + v_first + offs_n[:, None] * stride_v[2] + offs_dv[None, :]  # (BLOCK_N, DV_PAD)
 
     sink_end, band_start, full_start, full_end, band_end = kv_range(
