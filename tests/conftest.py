@@ -1,7 +1,7 @@
 """Test setup: the Triton interpreter on CPU-only machines, NaN-poisoned kernel outputs, and the tiers.
 
 The interpreter and the poison must be switched on before triton or gstar.kernels is imported, which is why
-they live here. Tiers: ``pytest`` runs the quick suite (every kernel path, about six and a half minutes on two cores);
+they live here. Tiers: ``pytest`` runs the quick suite (every kernel path, about five minutes on two cores);
 ``pytest --full`` adds the tests marked ``slow`` (``tests/tiers.py`` marks most points of large parameter
 grids so); tests marked ``gpu`` run only where CUDA is available.
 """
