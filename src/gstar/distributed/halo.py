@@ -1,19 +1,21 @@
 """Causal sliding-window attention over a sharded sequence: each query chunk fetches only the keys it sees.
 
-A chunk of queries at global positions ``[start, end)`` under ``window=(left, 0)`` sees keys
-``[start - left, end)`` (the halo ``[start - left, start)`` and its own) and the sink tokens ``[0, S)``.
-One exchange brings every halo and sink key from the ranks holding them (several ranks when the window is
-wider than a shard); nothing else moves. Each chunk then runs one call on its keys laid out as::
+A chunk of queries at global positions ``[start, end)`` under ``window=(left, 0)`` and ``sink_tokens=S`` sees
+three disjoint runs of keys, and runs one call on each::
 
-    [ sink keys 0 .. S-1 | window keys start - left .. end - 1 ]      (one range when they touch)
+    call    keys                              query rows of the chunk
+    own     [start, end)                      all: causal window (left, 0), its own K/V (no copy, no wait)
+    halo    [a, start), a = max(S, start - left)   the first L = min(left, length): later rows see past it
+    sinks   [0, min(S, start))                all: every key visible (sink tokens are exempt from the window)
 
-Bottom-right alignment puts query row ``i`` at ``p(i) = i + Nk - Nq``, which is its global position minus
-the global position of the first window key, plus ``S``: the window bounds keep their meaning, and the
-first ``S`` keys are the sink tokens (``sink_tokens=S`` of the call exempts exactly them). When the window
-reaches the sinks (``start - left <= S``) the keys are the single range ``[0, end)`` and local positions are
-global ones.
+The own call runs while the halo and sink keys are in flight (one exchange from the ranks holding them, several
+when the window is wider than a shard); the other calls' results merge into the own call's rows by their LSEs.
+Query row ``i`` of the halo call (global ``start + i``) sees halo key ``j`` (global ``a + j``) when
+``j >= i + start - left - a``; bottom-right alignment puts it at ``p(i) = i + (start - a) - L``, so that is
+``window=(left - L, unbounded)``. Learned sinks enter the own call only, so each row's denominator gets them once.
 
-The backward fetches the same keys again and returns each piece's dK/dV to the rank that holds it.
+The backward fetches the same keys again, runs each call's backward with the merged out and LSE, adds the
+halo and sink calls' dQ into their rows, and returns their dK/dV pieces to the ranks that hold those keys.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ import torch
 
 from .. import ops
 from ..pattern import Pattern
-from .exchange import exchange
-from .layout import Chunk, chunks, owners
+from .exchange import Pending, exchange
+from .layout import chunks, owners
+from .ring import merge
 
 
 class Piece(NamedTuple):
@@ -38,7 +41,8 @@ class Piece(NamedTuple):
 
 
 class Call(NamedTuple):
-    """One query chunk's call: its rows, its pattern, and where its keys come from (in key order)."""
+    """One call: its query rows, its pattern, and where its keys come from (in key order; none: the rows' own
+    keys)."""
 
     rows: slice
     pattern: Pattern
@@ -46,64 +50,64 @@ class Call(NamedTuple):
 
 
 class Plan(NamedTuple):
-    calls: tuple[Call, ...]
+    own: tuple[Call, ...]                              # one per chunk, with the learned sinks
+    fetched: tuple[Call, ...]                          # halo and sink-token calls, on keys of the exchange
     sends: tuple[tuple[int, tuple[Piece, ...]], ...]   # (rank, this rank's pieces it needs, in its order)
     receives: tuple[tuple[int, int], ...]              # (rank, how many keys come from it)
 
 
-def key_ranges(chunk: Chunk, left: int, sink_tokens: int) -> list[tuple[int, int]]:
-    """The global key ranges a query chunk sees under ``window=(left, 0)`` and ``sink_tokens``."""
-    lo, end = max(0, chunk.start - left), chunk.start + chunk.length
-    if sink_tokens >= lo:
-        return [(0, end)]
-    return ([(0, sink_tokens)] if sink_tokens else []) + [(lo, end)]
-
-
-def _pieces(ranges, held) -> tuple[Piece, ...]:
-    """The ranges split by the rank holding them; runs that continue on one rank are joined."""
+def _pieces(a: int, b: int, held) -> tuple[Piece, ...]:
+    """Global keys ``[a, b)`` split by the rank holding them; runs that continue on one rank are joined."""
     pieces: list[Piece] = []
-    for a, b in ranges:
-        for c, rank in held:
-            lo, hi = max(a, c.start), min(b, c.start + c.length)
-            if lo >= hi:
-                continue
-            piece = Piece(rank, c.local + lo - c.start, hi - lo)
-            last = pieces[-1] if pieces else None
-            if last and last.owner == rank and last.local + last.length == piece.local:
-                pieces[-1] = Piece(rank, last.local, last.length + piece.length)
-            else:
-                pieces.append(piece)
+    for c, rank in held:
+        lo, hi = max(a, c.start), min(b, c.start + c.length)
+        if lo >= hi:
+            continue
+        piece = Piece(rank, c.local + lo - c.start, hi - lo)
+        last = pieces[-1] if pieces else None
+        if last and last.owner == rank and last.local + last.length == piece.local:
+            pieces[-1] = Piece(rank, last.local, last.length + piece.length)
+        else:
+            pieces.append(piece)
     return tuple(pieces)
 
 
-def _calls(n_local: int, world: int, rank: int, layout: str, left: int, sink_tokens: int) -> tuple[Call, ...]:
+def _calls(n_local: int, world: int, rank: int, layout: str, left: int, sink_tokens: int):
+    """(own calls, fetched calls) of ``rank``: the table of the module docstring."""
     held = owners(n_local, world, layout)
-    calls = []
+    own, fetched = [], []
     for c in chunks(n_local, world, rank, layout):
-        ranges = key_ranges(c, left, sink_tokens)
-        nk = sum(b - a for a, b in ranges)
-        pattern = Pattern.make(c.length, nk, causal=True, window=(left, 0), sink_tokens=sink_tokens)
-        calls.append(Call(slice(c.local, c.local + c.length), pattern, _pieces(ranges, held)))
-    return tuple(calls)
+        rows = slice(c.local, c.local + c.length)
+        own.append(Call(rows, Pattern.make(c.length, c.length, causal=True, window=(left, 0),
+                                           sink_tokens=max(0, sink_tokens - c.start)), ()))
+        a, n_rows = max(sink_tokens, c.start - left), min(left, c.length)
+        if a < c.start and n_rows:
+            fetched.append(Call(slice(c.local, c.local + n_rows),
+                                Pattern.make(n_rows, c.start - a, window=(left - n_rows, -1)),
+                                _pieces(a, c.start, held)))
+        if sink_tokens and c.start:
+            sinks_end = min(sink_tokens, c.start)
+            fetched.append(Call(rows, Pattern.make(c.length, sinks_end), _pieces(0, sinks_end, held)))
+    return tuple(own), tuple(fetched)
 
 
 @functools.cache
 def plan(n_local: int, world: int, rank: int, layout: str, left: int, sink_tokens: int) -> Plan:
     """This rank's calls and transfers (every rank derives every other's needs from the layout: no
     handshake)."""
-    mine = _calls(n_local, world, rank, layout, left, sink_tokens)
+    own, fetched = _calls(n_local, world, rank, layout, left, sink_tokens)
     sends, receives = [], []
     for other in range(world):
         if other == rank:
             continue
-        wanted = tuple(p for call in _calls(n_local, world, other, layout, left, sink_tokens)
+        wanted = tuple(p for call in _calls(n_local, world, other, layout, left, sink_tokens)[1]
                        for p in call.pieces if p.owner == rank)
         if wanted:
             sends.append((other, wanted))
-        count = sum(p.length for call in mine for p in call.pieces if p.owner == other)
+        count = sum(p.length for call in fetched for p in call.pieces if p.owner == other)
         if count:
             receives.append((other, count))
-    return Plan(mine, tuple(sends), tuple(receives))
+    return Plan(own, fetched, tuple(sends), tuple(receives))
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -111,22 +115,23 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
-def _rows(t: torch.Tensor, pieces) -> torch.Tensor:
-    """The pieces' rows of t (B, H, n, d), concatenated along n."""
-    return _joined([t.narrow(2, p.local, p.length) for p in pieces])
-
-
-def _fetch(p: Plan, spec, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """For each of ``tensors`` (this rank's K and V shards, (B, Hkv, n, d)), the keys of each call."""
-    sends = [(dst, _rows(t, pieces)) for dst, pieces in p.sends for t in tensors]
+def _post(p: Plan, spec, tensors: list[torch.Tensor]) -> Pending:
+    """Start fetching the fetched calls' keys of ``tensors`` (this rank's K and V shards, (B, Hkv, n, d))."""
+    sends = [(dst, _joined([t.narrow(2, x.local, x.length) for x in pieces])) for dst, pieces in p.sends
+             for t in tensors]
     buffers = [(src, t.new_empty(t.shape[:2] + (count, t.shape[3]))) for src, count in p.receives for t in tensors]
-    received = exchange(spec.peers, sends, buffers).wait()
+    return exchange(spec.peers, sends, buffers)
+
+
+def _keys(p: Plan, spec, tensors: list[torch.Tensor], pending: Pending) -> list[list[torch.Tensor]]:
+    """For each of ``tensors``, the keys of each fetched call, once the transfers of :func:`_post` are in."""
+    received = pending.wait()
     per_tensor = []
     for i, t in enumerate(tensors):
         arrived = {src: received[j * len(tensors) + i] for j, (src, _) in enumerate(p.receives)}
         cursor = dict.fromkeys(arrived, 0)
         calls = []
-        for call in p.calls:
+        for call in p.fetched:
             parts = []
             for piece in call.pieces:
                 if piece.owner == spec.peers.rank:
@@ -143,38 +148,71 @@ def _plan(spec) -> Plan:
     return plan(spec.n_local, spec.peers.world, spec.peers.rank, spec.layout, spec.left, spec.sink_tokens)
 
 
+def _options(call: Call, spec) -> ops.Options:
+    return ops.Options(call.pattern, spec.scale, spec.backend)
+
+
+def _add_rows(t: torch.Tensor, start: int, part: torch.Tensor) -> None:
+    """``t[:, :, start:start + n] += part`` (n = part.shape[2]), summed in the statistics dtype, rounded once."""
+    rows = t.narrow(2, start, part.shape[2])
+    stat = ops.stat_dtype(t.dtype)
+    rows.copy_(rows.to(stat) + part.to(stat))
+
+
 def forward(q, k, v, sinks, spec):
     """As :func:`gstar.distributed.ring.forward`, for ``window=(left, 0)`` with ``left >= 0``."""
     p = _plan(spec)
-    keys, values = _fetch(p, spec, [k, v])
-    results = [ops.run_forward(ops.Inputs(q[:, :, call.rows], kc, vc, sinks, None, None),
-                            ops.Options(call.pattern, spec.scale, spec.backend))
-               for call, kc, vc in zip(p.calls, keys, values)]
-    return _joined([o for o, _ in results]), _joined([lse for _, lse in results])
+    pending = _post(p, spec, [k, v])
+    own = [ops.run_forward(ops.Inputs(q[:, :, c.rows], k[:, :, c.rows], v[:, :, c.rows], sinks, None, None),
+                           _options(c, spec)) for c in p.own]
+    out = _joined([o for o, _ in own])                                      # (B, Hq, n, Dv)
+    lse = _joined([s for _, s in own])                                      # (B, Hq, n)
+    keys, values = _keys(p, spec, [k, v], pending)
+    for call, kc, vc in zip(p.fetched, keys, values):
+        part_out, part_lse = ops.run_forward(ops.Inputs(q[:, :, call.rows], kc, vc, None, None, None),
+                                             _options(call, spec))
+        rows = out[:, :, call.rows].to(lse.dtype)                           # (B, Hq, rows, Dv)
+        merge(rows, lse[:, :, call.rows], part_out, part_lse)
+        out[:, :, call.rows] = rows
+    return out, lse
 
 
 def backward(dout, q, k, v, sinks, out, lse, dlse, spec):
-    """As :func:`gstar.distributed.ring.backward`: each call's dK/dV pieces go back to their ranks."""
+    """As :func:`gstar.distributed.ring.backward`: the fetched calls' dK/dV pieces go back to their ranks.
+
+    Every call gets the learned sinks, for its rows' share of dsinks, ``-sum exp(sinks - lse) (P dP - dLSE)``
+    with ``P dP`` summed over the call's keys: the shares add up to the rows' whole ``P dP``, and the dLSE
+    term, counted once per call, is taken back for the fetched calls.
+    """
     p, rank = _plan(spec), spec.peers.rank
-    keys, values = _fetch(p, spec, [k, v])
-    stat = ops.stat_dtype(q.dtype)
-    dk = torch.zeros(k.shape, dtype=stat, device=k.device)                  # (B, Hkv, n, D)
-    dv = torch.zeros(v.shape, dtype=stat, device=v.device)                  # (B, Hkv, n, Dv)
-    dq, dsinks = [], None
-    back = {src: ([], []) for src, _ in p.receives}                         # dK, dV pieces of other ranks' keys
-    for call, kc, vc in zip(p.calls, keys, values):
+    pending = _post(p, spec, [k, v])
+
+    def call_backward(call, kc, vc):
         r = call.rows
-        g_q, g_k, g_v, g_sinks = ops.run_backward(
+        return ops.run_backward(
             dout[:, :, r], out[:, :, r], lse[:, :, r].contiguous(), None if dlse is None else dlse[:, :, r],
-            ops.Inputs(q[:, :, r], kc, vc, sinks, None, None), ops.Options(call.pattern, spec.scale, spec.backend))
-        dq.append(g_q)
-        dsinks = g_sinks if dsinks is None else dsinks + g_sinks
+            ops.Inputs(q[:, :, r], kc, vc, sinks, None, None), _options(call, spec))
+
+    own = [call_backward(c, k[:, :, c.rows], v[:, :, c.rows]) for c in p.own]
+    dq, dk, dv = (_joined([g[i] for g in own]) for i in range(3))           # like q, k, v
+    dsinks = None if sinks is None else sum(g[3] for g in own)
+    back = {src: ([], []) for src, _ in p.receives}                         # dK, dV pieces of other ranks' keys
+    keys, values = _keys(p, spec, [k, v], pending)
+    for call, kc, vc in zip(p.fetched, keys, values):
+        g_q, g_k, g_v, g_sinks = call_backward(call, kc, vc)
+        _add_rows(dq, call.rows.start, g_q)
+        if sinks is not None:
+            dsinks = dsinks + g_sinks
+            if dlse is not None:  # the own call counted these rows' dLSE term already
+                r = call.rows
+                p_sink = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse[:, :, r])  # (B, Hq, rows)
+                dsinks = dsinks - (p_sink * dlse[:, :, r].to(lse.dtype)).sum(dim=(0, 2))
         row = 0
         for piece in call.pieces:
             for grads, g, dest in ((dk, g_k, 0), (dv, g_v, 1)):
                 part = g.narrow(2, row, piece.length)
                 if piece.owner == rank:
-                    grads.narrow(2, piece.local, piece.length).add_(part)
+                    _add_rows(grads, piece.local, part)
                 else:
                     back[piece.owner][dest].append(part)
             row += piece.length
@@ -186,6 +224,6 @@ def backward(dout, q, k, v, sinks, out, lse, dlse, spec):
         for grads, arrived in zip((dk, dv), returned[2 * j: 2 * j + 2]):
             row = 0
             for piece in pieces:
-                grads.narrow(2, piece.local, piece.length).add_(arrived.narrow(2, row, piece.length))
+                _add_rows(grads, piece.local, arrived.narrow(2, row, piece.length))
                 row += piece.length
-    return _joined(dq), dk.to(k.dtype), dv.to(v.dtype), dsinks
+    return dq, dk, dv, dsinks
