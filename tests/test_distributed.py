@@ -69,10 +69,24 @@ def test_matches_whole_sequence(pools, world, layout, n_local, pattern, learned_
             assert error <= EXACT, f"rank {rank}: {name} error {error:.3g}"
 
 
+@pytest.mark.parametrize("world", [2, 4], ids=["2ranks", "4ranks"])
+@pytest.mark.parametrize("pattern, learned_sinks", [PATTERNS[p] for p in ("window", "sink-tokens", "window-sinks")],
+                         ids=["window", "sink-tokens", "window-sinks"])
+def test_zigzag_batch_of_one(pools, world, pattern, learned_sinks):
+    """Batch 1 under zigzag: a rank's two chunks run as one call over a batch-of-two view of its shard (two
+    calls where the chunks' patterns differ: rank 0's first chunk holds the sink tokens); as exact."""
+    for rank, result in enumerate(_values(pools(world).run(
+            "attention", layout="zigzag", n_local=10, heads=(4, 2), batch=1, pattern=pattern,
+            learned_sinks=learned_sinks))):
+        for name, error in result["errors"].items():
+            assert error <= EXACT, f"rank {rank}: {name} error {error:.3g}"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tier: the interpreter (GPUs run test_two_gpus)")
 @pytest.mark.parametrize("layout, pattern, learned_sinks", [
-    ("zigzag", dict(causal=True), True), ("contiguous", dict(causal=True, window=(5, 0), sink_tokens=2), True)],
-    ids=["ring", "halo"])
+    ("zigzag", dict(causal=True), True), ("contiguous", dict(causal=True, window=(5, 0), sink_tokens=2), True),
+    ("zigzag", dict(causal=True, window=(5, 0)), True)],
+    ids=["ring", "halo", "halo-zigzag"])
 def test_triton_kernels(pools, layout, pattern, learned_sinks):
     """The exchanges feed the Triton kernels (here under the interpreter) their strided slices: float32
     against the float64 whole sequence, within the float32 bar (relative error below 1e-4)."""

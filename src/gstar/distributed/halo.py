@@ -8,8 +8,10 @@ three disjoint runs of keys, and runs one call on each::
     halo    [a, start), a = max(S, start - left)   the first L = min(left, length): later rows see past it
     sinks   [0, min(S, start))                all: every key visible (sink tokens are exempt from the window)
 
-The own call runs while the halo and sink keys are in flight (one exchange from the ranks holding them, several
-when the window is wider than a shard); the other calls' results merge into the own call's rows by their LSEs.
+The own calls are launched first, and the exchange that brings the halo and sink keys (from the ranks holding
+them, several when the window is wider than a shard) is posted while they run; the other calls' results merge
+into the own call's rows by their LSEs. A zigzag rank's two chunks share one own call when their patterns agree
+and the batch is 1: the chunks are then a batch of two, a view of the shard, so results land in place.
 Query row ``i`` of the halo call (global ``start + i``) sees halo key ``j`` (global ``a + j``) when
 ``j >= i + start - left - a``; bottom-right alignment puts it at ``p(i) = i + (start - a) - L``, so that is
 ``window=(left - L, unbounded)``. Learned sinks enter the own call only, so each row's denominator gets them once.
@@ -21,7 +23,7 @@ halo and sink calls' dQ into their rows, and returns their dK/dV pieces to the r
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -115,6 +117,33 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
+def _rows(rows: slice) -> Callable:
+    return lambda t: t[:, :, rows]
+
+
+def _as_batch(t: torch.Tensor) -> torch.Tensor:
+    """(1, H, 2m, ...) -> (2, H, m, ...): a zigzag shard's two chunks as a batch of two (a view)."""
+    return t[0].unflatten(1, (2, -1)).transpose(0, 1)
+
+
+def _from_batch(t: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_as_batch`: a view for tensors laid out like its views (kernel outputs follow
+    their inputs' layout), a copy otherwise (the LSE)."""
+    return t.transpose(0, 1).flatten(1, 2)[None]
+
+
+class Own(NamedTuple):
+    calls: tuple[tuple[Pattern, Callable], ...]   # (pattern, cut): cut(t) is the call's view of (B, H, n, ...)
+    join: Callable                                # the calls' results, in order, into (B, H, n, ...)
+
+
+def _own(p: Plan, batch: int) -> Own:
+    first, *rest = p.own
+    if batch == 1 and len(rest) == 1 and rest[0].pattern == first.pattern:
+        return Own(((first.pattern, _as_batch),), lambda parts: _from_batch(parts[0]))
+    return Own(tuple((c.pattern, _rows(c.rows)) for c in p.own), _joined)
+
+
 def _post(p: Plan, spec, tensors: list[torch.Tensor]) -> Pending:
     """Start fetching the fetched calls' keys of ``tensors`` (this rank's K and V shards, (B, Hkv, n, d))."""
     sends = [(dst, _joined([t.narrow(2, x.local, x.length) for x in pieces])) for dst, pieces in p.sends
@@ -148,8 +177,8 @@ def _plan(spec) -> Plan:
     return plan(spec.n_local, spec.peers.world, spec.peers.rank, spec.layout, spec.left, spec.sink_tokens)
 
 
-def _options(call: Call, spec) -> ops.Options:
-    return ops.Options(call.pattern, spec.scale, spec.backend)
+def _options(pattern: Pattern, spec) -> ops.Options:
+    return ops.Options(pattern, spec.scale, spec.backend)
 
 
 def _add_rows(t: torch.Tensor, start: int, part: torch.Tensor) -> None:
@@ -162,15 +191,16 @@ def _add_rows(t: torch.Tensor, start: int, part: torch.Tensor) -> None:
 def forward(q, k, v, sinks, spec):
     """As :func:`gstar.distributed.ring.forward`, for ``window=(left, 0)`` with ``left >= 0``."""
     p = _plan(spec)
+    own = _own(p, q.shape[0])
+    results = [ops.run_forward(ops.Inputs(cut(q), cut(k), cut(v), sinks, None, None), _options(pattern, spec))
+               for pattern, cut in own.calls]
     pending = _post(p, spec, [k, v])
-    own = [ops.run_forward(ops.Inputs(q[:, :, c.rows], k[:, :, c.rows], v[:, :, c.rows], sinks, None, None),
-                           _options(c, spec)) for c in p.own]
-    out = _joined([o for o, _ in own])                                      # (B, Hq, n, Dv)
-    lse = _joined([s for _, s in own])                                      # (B, Hq, n)
+    out = own.join([o for o, _ in results])                                 # (B, Hq, n, Dv)
+    lse = own.join([s for _, s in results])                                 # (B, Hq, n)
     keys, values = _keys(p, spec, [k, v], pending)
     for call, kc, vc in zip(p.fetched, keys, values):
         part_out, part_lse = ops.run_forward(ops.Inputs(q[:, :, call.rows], kc, vc, None, None, None),
-                                             _options(call, spec))
+                                             _options(call.pattern, spec))
         rows = out[:, :, call.rows].to(lse.dtype)                           # (B, Hq, rows, Dv)
         merge(rows, lse[:, :, call.rows], part_out, part_lse)
         out[:, :, call.rows] = rows
@@ -185,21 +215,20 @@ def backward(dout, q, k, v, sinks, out, lse, dlse, spec):
     term, counted once per call, is taken back for the fetched calls.
     """
     p, rank = _plan(spec), spec.peers.rank
+    own = _own(p, q.shape[0])
+
+    def call_backward(pattern, cut, kc, vc):
+        return ops.run_backward(cut(dout), cut(out), cut(lse).contiguous(), None if dlse is None else cut(dlse),
+                                ops.Inputs(cut(q), kc, vc, sinks, None, None), _options(pattern, spec))
+
+    grads = [call_backward(pattern, cut, cut(k), cut(v)) for pattern, cut in own.calls]
     pending = _post(p, spec, [k, v])
-
-    def call_backward(call, kc, vc):
-        r = call.rows
-        return ops.run_backward(
-            dout[:, :, r], out[:, :, r], lse[:, :, r].contiguous(), None if dlse is None else dlse[:, :, r],
-            ops.Inputs(q[:, :, r], kc, vc, sinks, None, None), _options(call, spec))
-
-    own = [call_backward(c, k[:, :, c.rows], v[:, :, c.rows]) for c in p.own]
-    dq, dk, dv = (_joined([g[i] for g in own]) for i in range(3))           # like q, k, v
-    dsinks = None if sinks is None else sum(g[3] for g in own)
+    dq, dk, dv = (own.join([g[i] for g in grads]) for i in range(3))       # like q, k, v
+    dsinks = None if sinks is None else sum(g[3] for g in grads)
     back = {src: ([], []) for src, _ in p.receives}                         # dK, dV pieces of other ranks' keys
     keys, values = _keys(p, spec, [k, v], pending)
     for call, kc, vc in zip(p.fetched, keys, values):
-        g_q, g_k, g_v, g_sinks = call_backward(call, kc, vc)
+        g_q, g_k, g_v, g_sinks = call_backward(call.pattern, _rows(call.rows), kc, vc)
         _add_rows(dq, call.rows.start, g_q)
         if sinks is not None:
             dsinks = dsinks + g_sinks
@@ -209,10 +238,10 @@ def backward(dout, q, k, v, sinks, out, lse, dlse, spec):
                 dsinks = dsinks - (p_sink * dlse[:, :, r].to(lse.dtype)).sum(dim=(0, 2))
         row = 0
         for piece in call.pieces:
-            for grads, g, dest in ((dk, g_k, 0), (dv, g_v, 1)):
+            for grads_of, g, dest in ((dk, g_k, 0), (dv, g_v, 1)):
                 part = g.narrow(2, row, piece.length)
                 if piece.owner == rank:
-                    _add_rows(grads, piece.local, part)
+                    _add_rows(grads_of, piece.local, part)
                 else:
                     back[piece.owner][dest].append(part)
             row += piece.length
@@ -221,9 +250,9 @@ def backward(dout, q, k, v, sinks, out, lse, dlse, spec):
                for dst, pieces in p.sends for t in (k, v)]
     returned = exchange(spec.peers, sends, buffers).wait()
     for j, (dst, pieces) in enumerate(p.sends):
-        for grads, arrived in zip((dk, dv), returned[2 * j: 2 * j + 2]):
+        for grads_of, arrived in zip((dk, dv), returned[2 * j: 2 * j + 2]):
             row = 0
             for piece in pieces:
-                _add_rows(grads, piece.local, arrived.narrow(2, row, piece.length))
+                _add_rows(grads_of, piece.local, arrived.narrow(2, row, piece.length))
                 row += piece.length
     return dq, dk, dv, dsinks
