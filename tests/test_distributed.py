@@ -73,8 +73,9 @@ def test_matches_whole_sequence(pools, world, layout, n_local, pattern, learned_
 @pytest.mark.parametrize("pattern, learned_sinks", [PATTERNS[p] for p in ("window", "sink-tokens", "window-sinks")],
                          ids=["window", "sink-tokens", "window-sinks"])
 def test_zigzag_batch_of_one(pools, world, pattern, learned_sinks):
-    """Batch 1 under zigzag: a rank's two chunks run as one call over a batch-of-two view of its shard (two
-    calls where the chunks' patterns differ: rank 0's first chunk holds the sink tokens); as exact."""
+    """Batch 1 under zigzag: a rank's two chunks run their own calls, and their halo calls, as one call each
+    over a batch-of-two view (separate calls where the chunks' patterns differ: rank 0's first chunk holds
+    the sink tokens and has no halo); as exact."""
     for rank, result in enumerate(_values(pools(world).run(
             "attention", layout="zigzag", n_local=10, heads=(4, 2), batch=1, pattern=pattern,
             learned_sinks=learned_sinks))):

@@ -23,7 +23,8 @@ halo and sink calls' dQ into their rows, and returns their dK/dV pieces to the r
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -117,10 +118,6 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
-def _rows(rows: slice) -> Callable:
-    return lambda t: t[:, :, rows]
-
-
 def _as_batch(t: torch.Tensor) -> torch.Tensor:
     """(1, H, 2m, ...) -> (2, H, m, ...): a zigzag shard's two chunks as a batch of two (a view)."""
     return t[0].unflatten(1, (2, -1)).transpose(0, 1)
@@ -132,16 +129,28 @@ def _from_batch(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(0, 1).flatten(1, 2)[None]
 
 
-class Own(NamedTuple):
-    calls: tuple[tuple[Pattern, Callable], ...]   # (pattern, cut): cut(t) is the call's view of (B, H, n, ...)
-    join: Callable                                # the calls' results, in order, into (B, H, n, ...)
+class Group(NamedTuple):
+    """Calls launched as one: a single call, or one call per chunk of a zigzag shard at batch 1 with one
+    pattern, run as a batch of two."""
+
+    pattern: Pattern
+    calls: tuple[Call, ...]
+    cut: Callable             # cut(t): the group's rows of a (B, H, n, ...) tensor of the shard (a view)
+    batched: bool
 
 
-def _own(p: Plan, batch: int) -> Own:
-    first, *rest = p.own
-    if batch == 1 and len(rest) == 1 and rest[0].pattern == first.pattern:
-        return Own(((first.pattern, _as_batch),), lambda parts: _from_batch(parts[0]))
-    return Own(tuple((c.pattern, _rows(c.rows)) for c in p.own), _joined)
+def _groups(calls: tuple[Call, ...], batch: int, n_local: int) -> list[Group]:
+    first = calls[0] if calls else None
+    if (batch == 1 and len(calls) == 2 and calls[1].pattern == first.pattern
+            and calls[1].rows.start - first.rows.start == n_local // 2):
+        rows = slice(first.rows.start, first.rows.stop)                    # the rows within each chunk
+        return [Group(first.pattern, calls, lambda t: _as_batch(t)[:, :, rows], True)]
+    return [Group(c.pattern, (c,), lambda t, rows=c.rows: t[:, :, rows], False) for c in calls]
+
+
+def _joined_groups(groups: list[Group], results: list[torch.Tensor]) -> torch.Tensor:
+    """The own groups' results (B, H, rows, ...) as the shard's (B, H, n, ...)."""
+    return _from_batch(results[0]) if groups[0].batched else _joined(results)
 
 
 def _post(p: Plan, spec, tensors: list[torch.Tensor]) -> Pending:
@@ -152,14 +161,15 @@ def _post(p: Plan, spec, tensors: list[torch.Tensor]) -> Pending:
     return exchange(spec.peers, sends, buffers)
 
 
-def _keys(p: Plan, spec, tensors: list[torch.Tensor], pending: Pending) -> list[list[torch.Tensor]]:
-    """For each of ``tensors``, the keys of each fetched call, once the transfers of :func:`_post` are in."""
+def _keys(p: Plan, spec, groups: list[Group], tensors: list[torch.Tensor], pending: Pending):
+    """For each of ``tensors``, the keys of each fetched group (its calls' keys stacked along the batch), once
+    the transfers of :func:`_post` are in."""
     received = pending.wait()
     per_tensor = []
     for i, t in enumerate(tensors):
         arrived = {src: received[j * len(tensors) + i] for j, (src, _) in enumerate(p.receives)}
         cursor = dict.fromkeys(arrived, 0)
-        calls = []
+        per_call = []
         for call in p.fetched:
             parts = []
             for piece in call.pieces:
@@ -168,8 +178,12 @@ def _keys(p: Plan, spec, tensors: list[torch.Tensor], pending: Pending) -> list[
                 else:
                     parts.append(arrived[piece.owner].narrow(2, cursor[piece.owner], piece.length))
                     cursor[piece.owner] += piece.length
-            calls.append(_joined(parts))
-        per_tensor.append(calls)
+            per_call.append(_joined(parts))
+        stacked, used = [], 0
+        for g in groups:
+            stacked.append(torch.cat(per_call[used:used + len(g.calls)]) if g.batched else per_call[used])
+            used += len(g.calls)
+        per_tensor.append(stacked)
     return per_tensor
 
 
@@ -181,29 +195,29 @@ def _options(pattern: Pattern, spec) -> ops.Options:
     return ops.Options(pattern, spec.scale, spec.backend)
 
 
-def _add_rows(t: torch.Tensor, start: int, part: torch.Tensor) -> None:
-    """``t[:, :, start:start + n] += part`` (n = part.shape[2]), summed in the statistics dtype, rounded once."""
-    rows = t.narrow(2, start, part.shape[2])
-    stat = ops.stat_dtype(t.dtype)
+def _add(rows: torch.Tensor, part: torch.Tensor) -> None:
+    """``rows += part`` in place, summed in the statistics dtype and rounded once."""
+    stat = ops.stat_dtype(rows.dtype)
     rows.copy_(rows.to(stat) + part.to(stat))
 
 
 def forward(q, k, v, sinks, spec):
     """As :func:`gstar.distributed.ring.forward`, for ``window=(left, 0)`` with ``left >= 0``."""
-    p = _plan(spec)
-    own = _own(p, q.shape[0])
-    results = [ops.run_forward(ops.Inputs(cut(q), cut(k), cut(v), sinks, None, None), _options(pattern, spec))
-               for pattern, cut in own.calls]
+    p, batch = _plan(spec), q.shape[0]
+    own = _groups(p.own, batch, spec.n_local)
+    results = [ops.run_forward(ops.Inputs(g.cut(q), g.cut(k), g.cut(v), sinks, None, None),
+                               _options(g.pattern, spec)) for g in own]
     pending = _post(p, spec, [k, v])
-    out = own.join([o for o, _ in results])                                 # (B, Hq, n, Dv)
-    lse = own.join([s for _, s in results])                                 # (B, Hq, n)
-    keys, values = _keys(p, spec, [k, v], pending)
-    for call, kc, vc in zip(p.fetched, keys, values):
-        part_out, part_lse = ops.run_forward(ops.Inputs(q[:, :, call.rows], kc, vc, None, None, None),
-                                             _options(call.pattern, spec))
-        rows = out[:, :, call.rows].to(lse.dtype)                           # (B, Hq, rows, Dv)
-        merge(rows, lse[:, :, call.rows], part_out, part_lse)
-        out[:, :, call.rows] = rows
+    out = _joined_groups(own, [o for o, _ in results])                      # (B, Hq, n, Dv)
+    lse = _joined_groups(own, [s for _, s in results])                      # (B, Hq, n)
+    fetched = _groups(p.fetched, batch, spec.n_local)
+    keys, values = _keys(p, spec, fetched, [k, v], pending)
+    for g, kc, vc in zip(fetched, keys, values):
+        part_out, part_lse = ops.run_forward(ops.Inputs(g.cut(q), kc, vc, None, None, None),
+                                             _options(g.pattern, spec))
+        rows = g.cut(out).to(lse.dtype)                                     # (B, Hq, rows, Dv)
+        merge(rows, g.cut(lse), part_out, part_lse)
+        g.cut(out).copy_(rows)
     return out, lse
 
 
@@ -214,37 +228,40 @@ def backward(dout, q, k, v, sinks, out, lse, dlse, spec):
     with ``P dP`` summed over the call's keys: the shares add up to the rows' whole ``P dP``, and the dLSE
     term, counted once per call, is taken back for the fetched calls.
     """
-    p, rank = _plan(spec), spec.peers.rank
-    own = _own(p, q.shape[0])
+    p, rank, batch = _plan(spec), spec.peers.rank, q.shape[0]
 
-    def call_backward(pattern, cut, kc, vc):
-        return ops.run_backward(cut(dout), cut(out), cut(lse).contiguous(), None if dlse is None else cut(dlse),
-                                ops.Inputs(cut(q), kc, vc, sinks, None, None), _options(pattern, spec))
+    def run(g: Group, kc, vc):
+        return ops.run_backward(g.cut(dout), g.cut(out), g.cut(lse).contiguous(),
+                                None if dlse is None else g.cut(dlse), ops.Inputs(g.cut(q), kc, vc, sinks, None, None),
+                                _options(g.pattern, spec))
 
-    grads = [call_backward(pattern, cut, cut(k), cut(v)) for pattern, cut in own.calls]
+    own = _groups(p.own, batch, spec.n_local)
+    grads = [run(g, g.cut(k), g.cut(v)) for g in own]
     pending = _post(p, spec, [k, v])
-    dq, dk, dv = (own.join([g[i] for g in grads]) for i in range(3))       # like q, k, v
-    dsinks = None if sinks is None else sum(g[3] for g in grads)
+    dq, dk, dv = (_joined_groups(own, [gr[i] for gr in grads]) for i in range(3))  # like q, k, v
+    dsinks = None if sinks is None else sum(gr[3] for gr in grads)
     back = {src: ([], []) for src, _ in p.receives}                         # dK, dV pieces of other ranks' keys
-    keys, values = _keys(p, spec, [k, v], pending)
-    for call, kc, vc in zip(p.fetched, keys, values):
-        g_q, g_k, g_v, g_sinks = call_backward(call.pattern, _rows(call.rows), kc, vc)
-        _add_rows(dq, call.rows.start, g_q)
+    fetched = _groups(p.fetched, batch, spec.n_local)
+    keys, values = _keys(p, spec, fetched, [k, v], pending)
+    for g, kc, vc in zip(fetched, keys, values):
+        g_q, g_k, g_v, g_sinks = run(g, kc, vc)
+        _add(g.cut(dq), g_q)
         if sinks is not None:
             dsinks = dsinks + g_sinks
             if dlse is not None:  # the own call counted these rows' dLSE term already
-                r = call.rows
-                p_sink = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse[:, :, r])  # (B, Hq, rows)
-                dsinks = dsinks - (p_sink * dlse[:, :, r].to(lse.dtype)).sum(dim=(0, 2))
-        row = 0
-        for piece in call.pieces:
-            for grads_of, g, dest in ((dk, g_k, 0), (dv, g_v, 1)):
-                part = g.narrow(2, row, piece.length)
-                if piece.owner == rank:
-                    _add_rows(grads_of, piece.local, part)
-                else:
-                    back[piece.owner][dest].append(part)
-            row += piece.length
+                p_sink = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - g.cut(lse))  # (B, Hq, rows)
+                dsinks = dsinks - (p_sink * g.cut(dlse).to(lse.dtype)).sum(dim=(0, 2))
+        for item, call in enumerate(g.calls):  # batch item of each call (0 unless batched)
+            row = 0
+            for piece in call.pieces:
+                for grads_of, grad, dest in ((dk, g_k, 0), (dv, g_v, 1)):
+                    part = grad[item:item + 1] if g.batched else grad
+                    part = part.narrow(2, row, piece.length)
+                    if piece.owner == rank:
+                        _add(grads_of.narrow(2, piece.local, piece.length), part)
+                    else:
+                        back[piece.owner][dest].append(part)
+                row += piece.length
     sends = [(src, torch.cat(back[src][i], dim=2)) for src, _ in p.receives for i in (0, 1)]
     buffers = [(dst, t.new_empty(t.shape[:2] + (sum(x.length for x in pieces), t.shape[3])))
                for dst, pieces in p.sends for t in (k, v)]
@@ -253,6 +270,6 @@ def backward(dout, q, k, v, sinks, out, lse, dlse, spec):
         for grads_of, arrived in zip((dk, dv), returned[2 * j: 2 * j + 2]):
             row = 0
             for piece in pieces:
-                _add_rows(grads_of, piece.local, arrived.narrow(2, row, piece.length))
+                _add(grads_of.narrow(2, piece.local, piece.length), arrived.narrow(2, row, piece.length))
                 row += piece.length
     return dq, dk, dv, dsinks
