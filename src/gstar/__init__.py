@@ -2,6 +2,8 @@
 causal masks, GQA, sliding windows, sink tokens and learned sinks, on dense and packed batches.
 
 - :func:`flash_attention`: ``(B, H, N, D)`` batches (Triton on CUDA tensors, tiled PyTorch on CPU ones);
+- :func:`flash_attention_with_kvcache`: a few new queries against a contiguous or paged key/value cache
+  (decoding; forward only);
 - :func:`flash_attention_varlen`: packed ``(total, H, D)`` sequences with ``cu_seqlens`` (flash-attn's layout);
   :func:`cu_seqlens_from_mask`, :func:`cu_seqlens_from_position_ids`, :func:`unpad`, :func:`pad` and
   :func:`check_cu_seqlens_values` prepare them;
@@ -14,9 +16,10 @@ The rule and the conventions are in docs/design.md; examples/quickstart.py runs 
 
 from . import distributed
 from .api import check_cu_seqlens_values, flash_attention, flash_attention_varlen, tiled_attention
+from .kvcache import flash_attention_with_kvcache
 from .reference import naive_attention
 from .varlen import cu_seqlens_from_mask, cu_seqlens_from_position_ids, pad, unpad
 
-__all__ = ["distributed", "flash_attention", "flash_attention_varlen", "check_cu_seqlens_values", "naive_attention",
+__all__ = ["distributed", "flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache", "check_cu_seqlens_values", "naive_attention",
            "tiled_attention", "cu_seqlens_from_mask", "cu_seqlens_from_position_ids", "pad", "unpad"]
 __version__ = "0.1.0"

@@ -1,0 +1,240 @@
+"""The Triton decode kernels: a few queries against a long contiguous or paged cache, split over programs.
+
+``_decode`` runs on a grid ``(splits, Hkv * row_tiles, B)``. A program stacks every query head of one GQA
+group and every query row in one tile (row ``r``: head ``hkv * group + r // Nq``, query ``r % Nq``), so each
+K/V block is read once for the group. It reads its sequence's length on the device, finds the visible blocks
+with :func:`gstar.kernels.ranges.kv_range` (the sink-token blocks, then the window's band), and walks its
+share of them: split ``s`` takes the ``s``-th of ``splits`` equal runs. A paged cache is read block by block
+through the block table (``BLOCK_N`` divides the block size, so a tile lies in one page). The softmax is the
+forward kernel's (:func:`gstar.kernels.forward._softmax_step`), every block masked.
+
+With one split a program finishes its rows, the learned sink included. With several, each stores its
+partial result (normalised output and LSE, float32) and ``_combine`` merges a row's partials by their LSEs,
+adding the sink term once.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..pattern import Pattern, cdiv
+from .configs import dot_precision, pad_head_dim
+from .forward import _softmax_step
+from .launch import constexprs, launch
+from .ranges import kv_range
+
+_LOG2E = tl.constexpr(math.log2(math.e))
+_LN2 = tl.constexpr(math.log(2.0))
+_ALL_ROWS = tl.constexpr(2**30)  # kv_range's tile height: the union of every query row's keys
+MAX_TILE_ROWS = 128  # stacked rows (group x queries) a program holds; more take further row tiles
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _block_ptrs(Cache, BlockTable, b, hkv, start_n, offs_n, offs_d, stride_c, stride_bt, page_size,
+                PAGED: tl.constexpr):
+    """Pointers to keys ``start_n + offs_n`` of sequence ``b``, kv head ``hkv``: (BLOCK_N, D) for ``offs_d``.
+    Contiguous caches have (batch, head, row) strides ``stride_c``; paged ones (page, row, head), the page
+    of the block read from the block table."""
+    if PAGED:
+        page = tl.load(BlockTable + b * stride_bt + start_n // page_size).to(tl.int64)
+        rows = page * stride_c[0] + (start_n % page_size + offs_n).to(tl.int64) * stride_c[1] + hkv * stride_c[2]
+    else:
+        rows = b * stride_c[0] + hkv * stride_c[1] + (start_n + offs_n).to(tl.int64) * stride_c[2]
+    return Cache + rows[:, None] + offs_d[None, :]
+
+
+# lengths, bounds and row counts change between calls: specialising on them would recompile a decode loop
+@triton.jit(do_not_specialize=["nq", "group", "added", "left", "right", "sink_tokens", "page_size"])
+def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse,
+            stride_q, stride_k, stride_v, stride_bt, stride_o, stride_lse,
+            nq, group, added, left, right, sink_tokens, page_size, qk_scale,
+            HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+            PAGED: tl.constexpr, SPLIT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+            HAS_SINK_TOKENS: tl.constexpr, PRECISION: tl.constexpr):
+    """Q: (B, Hq, nq, HEAD_DIM); K, V: contiguous (B, Hkv, Nmax, HEAD_DIM / VALUE_DIM) or, with PAGED, (pages,
+    page_size, Hkv, ...) read through BlockTable (B, max_blocks) int32; Seqlens: (B,) int32, a sequence's keys
+    before the ``added`` appended ones; Sinks: None or (Hq,) float32 (used when not SPLIT).
+    Not SPLIT: Out (B, Hq, nq, VALUE_DIM) in Q's dtype, Lse (B, Hq, nq) float32, strides (batch, head, row)
+    and (batch, head). SPLIT: Out (B, Hq, splits, nq, VALUE_DIM) and Lse (B, Hq, splits, nq) float32, strides
+    (batch, head, split, row) and (batch, head, split): this program's partial, LSE -inf where it saw no key.
+    stride_q, stride_k, stride_v: (batch, head, row), or (page, row, head) for a paged cache.
+    qk_scale = scale * log2(e) > 0.
+    """
+    D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
+    DV_PAD: tl.constexpr = pad_head_dim(VALUE_DIM)
+    split = tl.program_id(0)
+    splits = tl.num_programs(0)
+    kv_heads = tl.num_programs(1) // tl.cdiv(group * nq, BLOCK_R)  # axis 1: kv heads fastest, then row tiles
+    hkv = tl.program_id(1) % kv_heads
+    tile = tl.program_id(1) // kv_heads
+    b = tl.program_id(2).to(tl.int64)
+    nk = tl.load(Seqlens + b) + added
+
+    offs_r = tile * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,) stacked rows of the group
+    real = offs_r < group * nq
+    heads = (hkv * group + tl.where(real, offs_r, 0) // nq).to(tl.int64)
+    rows = tl.where(real, offs_r, 0) % nq  # query index of each stacked row
+    offs_d = tl.arange(0, D_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    q_rows = b * stride_q[0] + heads * stride_q[1] + rows * stride_q[2]
+    q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=real[:, None] & (offs_d[None, :] < HEAD_DIM),
+                other=0.0)  # (BLOCK_R, D_PAD)
+
+    acc = tl.zeros([BLOCK_R, DV_PAD], dtype=tl.float32)
+    if (Sinks is not None) and not SPLIT:
+        m_i = tl.load(Sinks + heads) * _LOG2E  # exp2(m) * l = exp(sink): the sink starts the sum
+        l_i = tl.zeros([BLOCK_R], dtype=tl.float32) + 1.0
+    else:
+        m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+
+    sink_end, band_start, _, _, band_end = kv_range(0, nq, nk, left, right, sink_tokens, _ALL_ROWS, BLOCK_N,
+                                                    HAS_LEFT, HAS_RIGHT)
+    count = sink_end + band_end - band_start  # visible blocks: [0, sink_end), then [band_start, band_end)
+    per = tl.cdiv(count, splits)
+    for i in range(split * per, tl.minimum(split * per + per, count)):
+        block = tl.where(i < sink_end, i, band_start + i - sink_end)
+        start_n = block * BLOCK_N
+        cols = start_n + offs_n  # (BLOCK_N,)
+        key_ok = cols < nk
+        k = tl.load(_block_ptrs(K, BlockTable, b, hkv, start_n, offs_n, offs_d, stride_k, stride_bt, page_size,
+                                PAGED),
+                    mask=key_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)  # (BLOCK_N, D_PAD)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BLOCK_R, BLOCK_N) raw scores
+        p, acc, m_i, l_i = _softmax_step(s, acc, m_i, l_i, rows, cols, qk_scale, nq, nk, left, right, sink_tokens,
+                                         HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True, True)
+        v = tl.load(_block_ptrs(V, BlockTable, b, hkv, start_n, offs_n, offs_dv, stride_v, stride_bt, page_size,
+                                PAGED),
+                    mask=key_ok[:, None] & (offs_dv[None, :] < VALUE_DIM), other=0.0)  # (BLOCK_N, DV_PAD)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+
+    # rows that saw no key (and no sink) have l = 0 and acc = 0: divide by 1 to store exact zeros
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]  # (BLOCK_R, DV_PAD)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * _LN2)  # (BLOCK_R,) natural log
+    value_ok = real[:, None] & (offs_dv[None, :] < VALUE_DIM)
+    if SPLIT:
+        o_rows = b * stride_o[0] + heads * stride_o[1] + split * stride_o[2] + rows * stride_o[3]
+        lse_rows = b * stride_lse[0] + heads * stride_lse[1] + split * stride_lse[2] + rows
+    else:
+        o_rows = b * stride_o[0] + heads * stride_o[1] + rows * stride_o[2]
+        lse_rows = b * stride_lse[0] + heads * stride_lse[1] + rows
+    tl.store(Out + o_rows[:, None] + offs_dv[None, :], out.to(Out.dtype.element_ty), mask=value_ok)
+    tl.store(Lse + lse_rows, lse, mask=real)
+
+
+@triton.jit
+def _combine(Part, PartLse, Sinks, Out, Lse, stride_p, stride_pl, stride_o, stride_lse, splits,
+             VALUE_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """Grid (nq, Hq, B): row ``(b, h, i)`` from its ``splits`` partials (Part: (B, Hq, splits, nq, VALUE_DIM),
+    PartLse: (B, Hq, splits, nq), float32), the learned sink (Sinks: None or (Hq,) float32) added once:
+    ``lse = log(sum_s exp(lse_s) + exp(sink))``, ``out = sum_s exp(lse_s - lse) out_s``."""
+    i = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_dv = tl.arange(0, pad_head_dim(VALUE_DIM))
+    lse_s = tl.load(PartLse + b * stride_pl[0] + h * stride_pl[1] + offs_s * stride_pl[2] + i,
+                    mask=offs_s < splits, other=float("-inf"))  # (SPLITS_PAD,)
+    m = tl.max(lse_s, 0)
+    if Sinks is not None:
+        sink = tl.load(Sinks + h)
+        m = tl.maximum(m, sink)
+    base = tl.where(m == float("-inf"), 0.0, m)  # a row with no key and no sink: every weight exp(-inf) = 0
+    w = tl.exp(lse_s - base)  # (SPLITS_PAD,)
+    total = tl.sum(w, 0)
+    if Sinks is not None:
+        total += tl.exp(sink - base)
+    part = tl.load(Part + b * stride_p[0] + h * stride_p[1] + offs_s[:, None] * stride_p[2] + i * stride_p[3]
+                   + offs_dv[None, :], mask=(offs_s[:, None] < splits) & (offs_dv[None, :] < VALUE_DIM),
+                   other=0.0)  # (SPLITS_PAD, DV_PAD)
+    out = tl.sum(part * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(Out + b * stride_o[0] + h * stride_o[1] + i * stride_o[2] + offs_dv, out.to(Out.dtype.element_ty),
+             mask=offs_dv < VALUE_DIM)
+    tl.store(Lse + b * stride_lse[0] + h * stride_lse[1] + i, tl.where(total == 0.0, float("-inf"),
+                                                                      base + tl.log(total)))
+
+
+class _DecodePlan(NamedTuple):
+    grid: tuple[int, int, int]
+    splits: int
+    options: tuple
+
+
+def block_keys(paged: bool, block_size: int) -> int:
+    """Keys per tile: 64, or for a paged cache the largest of 64, 32, 16 dividing its block size."""
+    return next(n for n in (64, 32, 16) if not paged or block_size % n == 0)
+
+
+def default_splits(programs: int, visible_blocks: int, device: torch.device) -> int:
+    """Splits per (sequence, kv head): enough programs for two per SM, each with at least four tiles of
+    keys (a provisional rule: it sees only the shapes and the card, never the lengths)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return max(1, min(cdiv(2 * sms, programs), cdiv(visible_blocks, 4), MAX_SPLITS))
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: bool, block_size: int,
+                 capacity: int, pattern: Pattern, device: torch.device, precision: str,
+                 num_splits: int | None) -> _DecodePlan:
+    group = Hq // Hkv
+    block_r = min(MAX_TILE_ROWS, max(16, triton.next_power_of_2(group * nq)))
+    block_n = block_keys(paged, block_size)
+    row_tiles = cdiv(group * nq, block_r)
+    visible = capacity
+    if pattern.left >= 0:  # a window's band and the sink tokens, whatever the length
+        visible = min(capacity, pattern.left + nq + pattern.sink_tokens + 2 * block_n)
+    splits = num_splits or default_splits(B * Hkv * row_tiles, cdiv(visible, block_n), device)
+    return _DecodePlan(
+        (splits, Hkv * row_tiles, B), splits,
+        constexprs(HEAD_DIM=D, VALUE_DIM=Dv, BLOCK_R=block_r, BLOCK_N=block_n, PAGED=paged, SPLIT=splits > 1,
+                   HAS_LEFT=pattern.left >= 0, HAS_RIGHT=pattern.right >= 0,
+                   HAS_SINK_TOKENS=pattern.left >= 0 and pattern.sink_tokens > 0, PRECISION=precision,
+                   num_warps=4, num_stages=2))
+
+
+def decode_forward(q, cache, cache_seqlens, added: int, sinks, pattern: Pattern, scale: float,
+                   num_splits: int | None):
+    """``(out, lse)`` of :func:`gstar.flash_attention_with_kvcache` on validated inputs (the cache already
+    appended to). ``cache``: a :class:`gstar.kvcache.Cache`; ``cache_seqlens``: (B,) int32 or None (every
+    sequence full); ``added``: keys appended this call; ``pattern``: nq and the window (its nk is unused:
+    each sequence's is read on the device); ``sinks``: None or (Hq,) float32."""
+    B, Hq, nq, D = q.shape
+    k, v = cache.k, cache.v
+    Hkv, Dv = (k.shape[2] if cache.paged else k.shape[1]), v.shape[-1]
+    if cache_seqlens is None:
+        cache_seqlens = torch.full((B,), cache.capacity - added, dtype=torch.int32, device=q.device)
+    q_in = q
+    if scale <= 0:  # the kernel's softmax takes a positive factor (as the forward kernel's does)
+        q_in, scale = (-q, -scale) if scale < 0 else (q * 0.0, 1.0)
+    plan = _decode_plan(B, Hq, Hkv, nq, D, Dv, cache.paged, cache.block_size if cache.paged else 0,
+                        cache.capacity, pattern, q.device, dot_precision(q.dtype), num_splits)
+    out = q.new_empty((B, Hq, nq, Dv))
+    lse = torch.empty((B, Hq, nq), dtype=torch.float32, device=q.device)
+    table = cache.block_table
+    scalars = (tuple(q_in.stride()[:3]), tuple(k.stride()[:3]), tuple(v.stride()[:3]),
+               table.stride(0) if cache.paged else 0)
+    bounds = (Hq // Hkv, added, pattern.left, pattern.right, pattern.sink_tokens,
+              cache.block_size if cache.paged else 1, scale * math.log2(math.e))
+    if plan.splits == 1:
+        launch(_decode, plan.grid, (q_in, k, v, table, cache_seqlens, sinks, out, lse),
+               (*scalars, tuple(out.stride()[:3]), tuple(lse.stride()[:2]), nq, *bounds), plan.options)
+        return out, lse
+    part = torch.empty((B, Hq, plan.splits, nq, Dv), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((B, Hq, plan.splits, nq), dtype=torch.float32, device=q.device)
+    launch(_decode, plan.grid, (q_in, k, v, table, cache_seqlens, None, part, part_lse),
+           (*scalars, tuple(part.stride()[:4]), tuple(part_lse.stride()[:3]), nq, *bounds), plan.options)
+    launch(_combine, (nq, Hq, B), (part, part_lse, sinks, out, lse),
+           (tuple(part.stride()[:4]), tuple(part_lse.stride()[:3]), tuple(out.stride()[:3]),
+            tuple(lse.stride()[:2]), plan.splits),
+           constexprs(VALUE_DIM=Dv, SPLITS_PAD=triton.next_power_of_2(plan.splits), num_warps=4))
+    return out, lse

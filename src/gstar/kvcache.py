@@ -1,0 +1,257 @@
+"""``gstar.flash_attention_with_kvcache``: a few new queries against a long key/value cache (decoding).
+
+A decode step is memory traffic: one or a few query tokens read every cached key and value they can see.
+The cache is either contiguous, ``(B, Hkv, Nmax, D)``, or paged, ``(num_blocks, block_size, Hkv, D)`` with a
+``(B, max_blocks)`` block table (block ``j`` of sequence ``b``'s keys ``[j bs, (j + 1) bs)`` lives in page
+``block_table[b, j]``). Lengths are device values (``cache_seqlens``), so a decode loop never syncs to read them
+and never recompiles as they grow.
+
+The rule is :func:`gstar.flash_attention`'s with the queries as the last ``Nq`` positions of each sequence's
+``nk_b`` keys (``nk_b = cache_seqlens[b] (+ Nq when k, v are appended)``): bottom-right alignment per
+sequence. Only the keys some query can see are read: the sink-token pages and the window's band, so pages
+that no query can see may be recycled by the caller (:class:`gstar.streaming.StreamingCache` does).
+
+On CUDA the Triton kernel (:mod:`gstar.kernels.decode`) splits each sequence's visible keys over several
+programs (split-KV) and merges their partial results by LSE; elsewhere the PyTorch path runs
+:func:`gstar.reference.tiled_forward` per sequence on the keys it gathers.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from . import ops
+from .api import (
+    _capturing,
+    _check_bool,
+    _check_group,
+    _check_options,
+    _check_tensor,
+    _type_name,
+)
+from .pattern import Pattern, kv_blocks
+
+PAGE_MULTIPLE = 16  # block sizes the kernel reads in whole tiles of 16, 32 or 64 keys
+
+
+class Cache:
+    """A validated cache: its tensors, layout and capacity (keys one sequence can hold)."""
+
+    def __init__(self, k_cache, v_cache, block_table):
+        self.k, self.v, self.block_table = k_cache, v_cache, block_table
+        self.paged = block_table is not None
+        if self.paged:
+            self.num_blocks, self.block_size = k_cache.shape[0], k_cache.shape[1]
+            self.capacity = block_table.shape[1] * self.block_size
+        else:
+            self.capacity = k_cache.shape[2]
+
+    def keys(self, b: int, pages: list[int] | None, nk: int):
+        """Sequence ``b``'s first ``nk`` keys and values, ``(1, Hkv, nk, D)`` / ``(..., Dv)``: contiguous, a
+        view; paged, the blocks in ``pages`` (block indices along the sequence) gathered, others zero."""
+        if not self.paged:
+            return self.k[b:b + 1, :, :nk], self.v[b:b + 1, :, :nk]
+        out = []
+        for cache in (self.k, self.v):
+            dense = cache.new_zeros((max(pages, default=-1) + 1) * self.block_size, *cache.shape[2:])
+            for j in pages:
+                dense[j * self.block_size:(j + 1) * self.block_size] = cache[self.block_table[b, j]]
+            out.append(dense[:nk].permute(1, 0, 2).unsqueeze(0))                 # (1, Hkv, nk, D)
+        return tuple(out)
+
+
+def _check_cache(q, k_cache, v_cache, block_table) -> Cache:
+    B, Hq, _, D = q.shape
+    if block_table is None:
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            _check_tensor(name, t, 4)
+            if t.shape[0] != B:
+                raise ValueError(f"{name} must hold the batch of q ({B} sequences) on dim 0 (a contiguous cache "
+                                 f"is (B, Hkv, Nmax, D); pass block_table for a paged one), got {tuple(t.shape)}")
+        if k_cache.shape[1:3] != v_cache.shape[1:3]:
+            raise ValueError(f"k_cache and v_cache must have the same (Hkv, Nmax): {tuple(k_cache.shape)}, "
+                             f"{tuple(v_cache.shape)}")
+        _check_group(q, k_cache, v_cache)
+        return Cache(k_cache, v_cache, None)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(name, t, 4)
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"a paged k_cache and v_cache must have the same (num_blocks, block_size, Hkv): "
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    _check_group(q, k_cache.transpose(1, 2), v_cache.transpose(1, 2))
+    _check_tensor("block_table", block_table, 2)
+    if block_table.dtype != torch.int32:
+        raise TypeError(f"block_table must have dtype torch.int32, got {block_table.dtype}")
+    if block_table.device != q.device:
+        raise ValueError(f"block_table must be on q's device {q.device}, got {block_table.device}")
+    if block_table.shape[0] != B:
+        raise ValueError(f"block_table must have one row per sequence ({B}), got shape {tuple(block_table.shape)}")
+    block_size = k_cache.shape[1]
+    if block_size == 0 or block_size % PAGE_MULTIPLE:
+        raise ValueError(f"the paged cache's block size (k_cache.shape[1]) must be a positive multiple of "
+                         f"{PAGE_MULTIPLE}, got {block_size}")
+    return Cache(k_cache, v_cache, block_table)
+
+
+def _check_new(q, cache: Cache, k, v):
+    """The appended keys and values: ``(B, Hkv, Nq, D)`` / ``(..., Dv)`` like the cache."""
+    if (k is None) != (v is None):
+        raise ValueError("k and v are appended together: pass both or neither")
+    if k is None:
+        return
+    B, _, Nq, _ = q.shape
+    Hkv = cache.k.shape[2] if cache.paged else cache.k.shape[1]
+    for name, t, like in (("k", k, cache.k), ("v", v, cache.v)):
+        _check_tensor(name, t, 4)
+        want = (B, Hkv, Nq, like.shape[-1])
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name} must be {want} (B, Hkv, Nq, head dim of the cache), got {tuple(t.shape)}")
+        if t.dtype != like.dtype or t.device != like.device:
+            raise TypeError(f"{name} must match its cache's dtype and device ({like.dtype}, {like.device}), got "
+                            f"{t.dtype}, {t.device}")
+
+
+def _check_seqlens(q, cache: Cache, cache_seqlens, appending: bool):
+    B = q.shape[0]
+    if cache_seqlens is None:
+        if appending:
+            raise ValueError("appending k, v needs cache_seqlens: the position to write them at")
+        return None
+    _check_tensor("cache_seqlens", cache_seqlens, 1)
+    if cache_seqlens.dtype != torch.int32:
+        raise TypeError(f"cache_seqlens must have dtype torch.int32, got {cache_seqlens.dtype}")
+    if cache_seqlens.device != q.device:
+        raise ValueError(f"cache_seqlens must be on q's device {q.device}, got {cache_seqlens.device}")
+    if cache_seqlens.shape[0] != B:
+        raise ValueError(f"cache_seqlens must have one length per sequence ({B}), got shape "
+                         f"{tuple(cache_seqlens.shape)}")
+    return cache_seqlens
+
+
+def _pages(pattern: Pattern, block_size: int) -> list[int]:
+    """Block indices (along the sequence) holding keys some query of ``pattern`` sees: the sink-token blocks
+    and the window's band."""
+    sink_end, band_start, _, _, band_end = kv_blocks(pattern, 0, max(pattern.nq, 1), block_size)
+    return list(range(sink_end)) + list(range(band_start, band_end))
+
+
+def check_cache_values(q, cache: Cache, cache_seqlens, appending: bool, patterns) -> None:
+    """The values behind the cache: every length within the capacity, every page a query reads inside the
+    cache. One device-to-host copy (a sync on CUDA). ``ValueError`` naming the first offender."""
+    added = q.shape[2] if appending else 0
+    lengths = cache_seqlens.tolist() if cache_seqlens is not None else [cache.capacity] * q.shape[0]
+    for b, n in enumerate(lengths):
+        if n < 0 or n + added > cache.capacity:
+            grown = f" + {added} appended" if added else ""
+            raise ValueError(f"cache_seqlens[{b}] = {n}{grown} is outside the cache's capacity of {cache.capacity} "
+                             f"keys")
+    if not cache.paged:
+        return
+    table = cache.block_table.tolist()
+    for b, n in enumerate(lengths):
+        for j in _pages(patterns(n + added), cache.block_size):
+            page = table[b][j]
+            if not 0 <= page < cache.num_blocks:
+                raise ValueError(f"block_table[{b}, {j}] = {page} is outside the cache's {cache.num_blocks} blocks "
+                                 f"(sequence {b} reads that block)")
+
+
+def append(cache: Cache, k, v, cache_seqlens) -> None:
+    """Write ``k``, ``v`` ``(B, Hkv, Nq, D)`` into the cache at positions ``cache_seqlens[b] + i``, in place:
+    one indexed copy per tensor, positions computed on the device (no sync)."""
+    B, _, Nq, _ = k.shape
+    pos = cache_seqlens.long()[:, None] + torch.arange(Nq, device=k.device)   # (B, Nq)
+    batch = torch.arange(B, device=k.device)[:, None].expand(B, Nq)           # (B, Nq)
+    for new, store in ((k, cache.k), (v, cache.v)):
+        rows = new.permute(0, 2, 1, 3)                                          # (B, Nq, Hkv, D)
+        if cache.paged:
+            pages = cache.block_table[batch, pos // cache.block_size].long()   # (B, Nq)
+            store[pages, pos % cache.block_size] = rows
+        else:
+            store.permute(0, 2, 1, 3)[batch, pos] = rows
+
+
+def _torch_path(q, cache: Cache, lengths: list[int], sinks, patterns, scale):
+    """Per sequence: gather the keys it sees and run the tiled PyTorch forward."""
+    outs, lses = [], []
+    for b, nk in enumerate(lengths):
+        pattern = patterns(nk)
+        pages = _pages(pattern, cache.block_size) if cache.paged else None
+        k, v = cache.keys(b, pages, nk)
+        out, lse = ops.run_forward(ops.Inputs(q[b:b + 1], k, v, sinks, None, None),
+                                   ops.Options(pattern, scale, "torch"))
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None, block_table=None,
+                                 causal=True, window=(-1, -1), sink_tokens=0, sinks=None, scale=None,
+                                 return_lse=False, num_splits=None, backend="auto", check_values=True):
+    """Attention of ``Nq`` new queries against a key/value cache, appending their keys and values first if
+    given. Forward only (inference).
+
+    Args:
+        q: ``(B, Hq, Nq, D)``, ``Nq >= 1`` (one token, a few speculative drafts, a chunk of prefill).
+        k_cache, v_cache: contiguous ``(B, Hkv, Nmax, D)`` / ``(B, Hkv, Nmax, Dv)``, or paged
+            ``(num_blocks, block_size, Hkv, D)`` / ``(..., Dv)`` with ``block_table``; q's dtype and device,
+            unit last stride, ``Hq % Hkv == 0``.
+        k, v: ``(B, Hkv, Nq, D)`` / ``(..., Dv)``: written into the cache at positions ``cache_seqlens[b]``
+            .. ``+ Nq - 1`` (in place, one small indexed copy before the attention) and attended to.
+        cache_seqlens: ``(B,)`` int32 on q's device, the keys each sequence holds before appending; None means
+            every sequence fills the cache (only without ``k``, ``v``). Query ``i`` of sequence ``b`` sits at
+            position ``cache_seqlens[b] + i`` when appending, else ``cache_seqlens[b] - Nq + i``.
+        block_table: ``(B, max_blocks)`` int32: page of each block of each sequence (paged cache; block size
+            a multiple of 16). Entries of blocks no query sees are never read.
+        causal, window, sink_tokens, sinks, scale: as in :func:`gstar.flash_attention`, on those positions.
+        return_lse: also return the LSE, ``(B, Hq, Nq)`` float32.
+        num_splits: programs per (sequence, kv head) sharing its keys (split-KV); None picks from the card and
+            the shapes (never from the lengths: no sync). The Triton backend only.
+        backend: ``"auto"`` (Triton on CUDA, PyTorch elsewhere), ``"triton"`` or ``"torch"``.
+        check_values: check ``cache_seqlens`` and the block table on the host (one device sync): lengths within
+            the capacity, pages read inside the cache. Inside ``torch.compile`` or CUDA graph capture they are
+            trusted; pass False in a decode loop whose cache is known good.
+
+    Returns ``out`` ``(B, Hq, Nq, Dv)`` in q's dtype, or ``(out, lse)``.
+    """
+    _check_tensor("q", q, 4)
+    if q.shape[2] == 0:
+        raise ValueError("q must hold at least one query (q.shape[2] >= 1)")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v, sinks)):
+        raise RuntimeError("flash_attention_with_kvcache is forward only: run it under torch.no_grad() "
+                           "(training takes gstar.flash_attention)")
+    cache = _check_cache(q, k_cache, v_cache, block_table)
+    _check_new(q, cache, k, v)
+    appending = k is not None
+    cache_seqlens = _check_seqlens(q, cache, cache_seqlens, appending)
+    Hq, D, Dv = q.shape[1], q.shape[3], cache.v.shape[-1]
+    window, sink_tokens, scale, backend = _check_options(
+        q, Hq, D, Dv, causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks, scale=scale,
+        backend=backend, return_lse=return_lse)
+    if num_splits is not None:
+        if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool):
+            raise TypeError(f"num_splits must be None or an int, got {_type_name(num_splits)}")
+        if num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    _check_bool("check_values", check_values)
+    Nq = q.shape[2]
+
+    def patterns(nk: int) -> Pattern:
+        return Pattern.make(Nq, nk, causal=causal, window=window, sink_tokens=sink_tokens)
+
+    if check_values and not (torch.compiler.is_compiling() or _capturing(q.device)):
+        check_cache_values(q, cache, cache_seqlens, appending, patterns)
+    if appending:
+        append(cache, k, v, cache_seqlens)
+    added = Nq if appending else 0
+    if backend == "torch":
+        lengths = ([n + added for n in cache_seqlens.tolist()] if cache_seqlens is not None
+                   else [cache.capacity] * q.shape[0])
+        out, lse = _torch_path(q, cache, lengths, sinks, patterns, scale)
+    else:
+        from .kernels.decode import decode_forward
+        out, lse = decode_forward(q, cache, cache_seqlens, added, None if sinks is None else sinks.float(),
+                                  patterns(cache.capacity), scale, num_splits)
+    return (out, lse) if return_lse else out
