@@ -15,11 +15,27 @@ The rule and the conventions are in docs/design.md; examples/quickstart.py runs 
 """
 
 from . import distributed
-from .api import check_cu_seqlens_values, flash_attention, flash_attention_varlen, tiled_attention
+from .api import (
+           check_cu_seqlens_values,
+           flash_attention,
+           flash_attention_varlen,
+           tiled_attention,
+)
 from .kvcache import flash_attention_with_kvcache
 from .reference import naive_attention
 from .varlen import cu_seqlens_from_mask, cu_seqlens_from_position_ids, pad, unpad
 
-__all__ = ["distributed", "flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache", "check_cu_seqlens_values", "naive_attention",
-           "tiled_attention", "cu_seqlens_from_mask", "cu_seqlens_from_position_ids", "pad", "unpad"]
+__all__ = [
+           "check_cu_seqlens_values",
+           "cu_seqlens_from_mask",
+           "cu_seqlens_from_position_ids",
+           "distributed",
+           "flash_attention",
+           "flash_attention_varlen",
+           "flash_attention_with_kvcache",
+           "naive_attention",
+           "pad",
+           "tiled_attention",
+           "unpad",
+]
 __version__ = "0.1.0"

@@ -63,7 +63,7 @@ class Cache:
 
 
 def _check_cache(q, k_cache, v_cache, block_table) -> Cache:
-    B, Hq, _, D = q.shape
+    B = q.shape[0]
     if block_table is None:
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
             _check_tensor(name, t, 4)
