@@ -170,9 +170,18 @@ class _DecodePlan(NamedTuple):
     options: tuple
 
 
-def block_keys(paged: bool, block_size: int) -> int:
-    """Keys per tile: 64, or for a paged cache the largest of 64, 32, 16 dividing its block size."""
-    return next(n for n in (64, 32, 16) if not paged or block_size % n == 0)
+def block_keys(paged: bool, block_size: int, width: int) -> int:
+    """Keys per tile: 64, fewer for wide heads (``width``: the padded D + Dv; a tile of keys and values stays
+    within 64 x 256 elements); for a paged cache a divisor of its block size."""
+    most = max(16, 64 * 256 // width)
+    return next(n for n in (64, 32, 16) if n <= most and (not paged or block_size % n == 0))
+
+
+def tile_rows(stacked: int, width: int) -> int:
+    """Rows a program stacks: the group's heads times the queries, padded to a power of two (at least 16,
+    tl.dot's minimum), at most 128, and fewer for wide heads (the accumulators hold rows x padded Dv)."""
+    most = max(16, min(MAX_TILE_ROWS, triton.next_power_of_2(128 * 256 // width + 1) // 2))  # a power of two
+    return min(most, max(16, triton.next_power_of_2(stacked)))
 
 
 def default_splits(programs: int, visible_blocks: int, device: torch.device) -> int:
@@ -187,8 +196,9 @@ def _decode_plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: boo
                  capacity: int, pattern: Pattern, device: torch.device, precision: str,
                  num_splits: int | None) -> _DecodePlan:
     group = Hq // Hkv
-    block_r = min(MAX_TILE_ROWS, max(16, triton.next_power_of_2(group * nq)))
-    block_n = block_keys(paged, block_size)
+    width = pad_head_dim(D) + pad_head_dim(Dv)
+    block_r = tile_rows(group * nq, width)
+    block_n = block_keys(paged, block_size, width)
     row_tiles = cdiv(group * nq, block_r)
     visible = capacity
     if pattern.left >= 0:  # a window's band and the sink tokens, whatever the length
