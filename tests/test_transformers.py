@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 import gstar.integrations.transformers  # noqa: E402,F401  (registers "gstar")
 from gstar.accuracy import max_error as _max_error  # noqa: E402
 from gstar.accuracy import relative_error  # noqa: E402
-from gstar.integrations.transformers import gstar_attention_forward  # noqa: E402
+from gstar.integrations.transformers import gstar_attention_forward, gstar_mask  # noqa: E402
 from gstar.reference import naive_attention  # noqa: E402
 
 VOCAB, N = 61, 19
@@ -174,15 +174,6 @@ def test_two_packed_rows_match_eager_per_document():
             assert max_error(packed[r, start:start + doc.numel()], ref) <= ATOL
 
 
-def test_left_padded_generation_matches_eager():
-    eager, ours = _pair(_gpt_oss)
-    ids = torch.randint(1, VOCAB, (2, 9))
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    torch.testing.assert_close(ours.generate(ids, **kwargs), eager.generate(ids, **kwargs), rtol=0, atol=0)
-
-
 def test_set_attn_implementation_switches_to_gstar():
     eager, _ = _pair(_gpt_oss)
     if not hasattr(eager, "set_attn_implementation"):
@@ -270,6 +261,22 @@ def test_attention_function_left_padded_decoding():
     mask[1] = mask[1].flip(0)  # right padding: the queries are not each row's last keys
     with pytest.raises(ValueError, match="left padding"):
         gstar_attention_forward(torch.nn.Module(), q, k, v, mask)
+
+
+def test_attention_function_static_cache_lengths_and_cross_attention():
+    q, k, v = _projections(2, 4, 2, 3, 10, 8)
+    # 4 cached keys and the 3 queries' own written into a 10-slot buffer
+    filled = gstar_mask(batch_size=2, q_length=3, kv_length=10, q_offset=4, device="cpu")
+    assert filled.tolist() == [7, 7]
+    out, _ = gstar_attention_forward(torch.nn.Module(), q, k, v, filled, sliding_window=4, scaling=0.3)
+    ref, _ = naive_attention(q, k[:, :, :7], v[:, :, :7], causal=True, window=(3, 0), scale=0.3)
+    assert max_error(out, ref.transpose(1, 2)) <= 1e-12
+    # more keys than the queries reach is also cross-attention: a non-causal layer attends to every key
+    module = torch.nn.Module()
+    module.is_causal = False
+    out, _ = gstar_attention_forward(module, q, k, v, filled)
+    ref, _ = naive_attention(q, k, v, causal=False)
+    assert max_error(out, ref.transpose(1, 2)) <= 1e-12
 
 
 def test_attention_function_rejects_softcap():

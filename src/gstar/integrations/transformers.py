@@ -12,16 +12,27 @@ takes the model's ``(B, heads, N, head_dim)`` projections and returns ``(B, N, H
 transformers expects; the model's ``sliding_window=W`` (W keys, the query's own included) is gstar's
 ``window=(W - 1, 0)``.
 
-Like the flash-attention integrations, no 4-D mask is built: the mask function passes the 2-D padding mask
-through (or ``None`` when there is no padding), and the attention function picks one of three paths:
+Like the flash-attention integrations, no 4-D mask is built. The mask function hands the attention function
+``None`` (every key it gets is a real one), the 2-D padding mask, or, for a layer whose keys include slots
+not yet written (a static cache's preallocated buffer), each sequence's filled length; the attention
+function picks one of four paths:
 
-- plain batch: :func:`gstar.flash_attention` on the tensors as they come (no copies of q, k, v);
-- padded batch (2-D mask with zeros): unpad, :func:`gstar.flash_attention_varlen`, pad back;
+- plain batch: :func:`gstar.flash_attention` on the tensors as they come (no copies of q, k, v). With fewer
+  queries than keys (decoding from a dynamic cache, whose sliding-window layers keep only the window's keys)
+  the queries are the last keys, which is gstar's bottom-right alignment;
+- static cache: :func:`gstar.flash_attention_with_kvcache` on the cache's buffer (k, v already written by
+  the cache), ``cache_seqlens`` the filled length ``(B,)`` int32, computed on the device from the cache's
+  offset (a device value in a static cache): no host read, so a compiled or graph-captured decode step
+  stays whole. Forward only, as decoding is;
+- padded batch (2-D mask with zeros): unpad, :func:`gstar.flash_attention_varlen`, pad back. With fewer
+  queries than keys (generation) each row's queries must be its last real keys, as left padding gives (a
+  mask whose last column holds a zero raises a ``ValueError``). Exact with either cache (a static buffer's
+  unwritten slots lie past the mask), but the mask's lengths are read on the host, once per forward pass;
 - packed batch (``cu_seq_lens_q/k`` from a flattening collator, or position ids restarting at 0 inside a
   row): :func:`gstar.flash_attention_varlen` on the flattened batch, each document attending only to itself.
 
-Under ``torch.compile`` the plain and ``cu_seq_lens`` paths trace without a graph break; a padding mask,
-whose lengths must be read to unpad, breaks the graph there, and position ids are not searched for
+Under ``torch.compile`` the plain, static-cache and ``cu_seq_lens`` paths trace without a host read; a padding
+mask, whose lengths must be read to unpad, breaks the graph there, and position ids are not searched for
 documents (pass ``cu_seq_lens_q/k`` instead).
 
 What the model asks for and gstar cannot do (attention dropout while training, logit soft-capping, custom
@@ -45,6 +56,7 @@ except ImportError:
 
 from ..api import check_cu_seqlens_values, flash_attention, flash_attention_varlen
 from ..distributed import context as context_parallel
+from ..kvcache import flash_attention_with_kvcache
 from ..varlen import cu_seqlens_from_mask, cu_seqlens_from_position_ids, pad, unpad
 
 NAME = "gstar"
@@ -127,6 +139,15 @@ def _padded(q, k, v, mask, **opts):
     return pad(out, idx_q, B, Nq)
 
 
+def _cached(q, k, v, cache_seqlens, **opts):
+    """Static cache: q (B, Hq, Nq, D) against the cache's buffers k (B, Hkv, Nmax, D), v (B, Hkv, Nmax, Dv), of
+    which sequence b's first cache_seqlens[b] slots are written, its queries the last Nq of those ->
+    (B, Nq, Hq, Dv). The lengths come from the cache's own offset (see :func:`gstar_mask`): no check on the
+    host, which would read them."""
+    out = flash_attention_with_kvcache(q, k, v, cache_seqlens=cache_seqlens, check_values=False, **opts)
+    return _rows_first(out)
+
+
 def _packing_plan(position_ids, batch: int):
     """``(cu_seqlens, max_seqlen)`` when position ids restart inside a row (packed documents), else None."""
     pos = position_ids.reshape(-1, position_ids.shape[-1]).expand(batch, -1)   # (B, N)
@@ -175,7 +196,9 @@ def gstar_attention_forward(module, query, key, value, attention_mask, scaling=N
         module: the attention module (reads ``training`` and ``is_causal``, default True).
         query: ``(B, Hq, Nq, D)``; key: ``(B, Hkv, Nk, D)``; value: ``(B, Hkv, Nk, Dv)`` (e.g. latent attention's
             128-wide values under 192-wide queries) with ``Hq % Hkv == 0``.
-        attention_mask: ``None`` or the ``(B, Nk)`` padding mask from the ``"gstar"`` mask function.
+        attention_mask: from the ``"gstar"`` mask function: ``None``, the ``(B, Nk)`` padding mask, or the
+            ``(B,)`` int32 filled lengths of a static cache's buffer (keys past them are unwritten slots), which
+            a non-causal layer ignores: its keys (an encoder's, cross-attention's) are all real.
         scaling: multiplies ``q . k`` (default ``D ** -0.5``).
         dropout: must be 0 while the module trains (gstar has no attention dropout).
         sliding_window: ``W`` keys per query including itself, i.e. gstar ``window=(W - 1, 0)``.
@@ -191,7 +214,7 @@ def gstar_attention_forward(module, query, key, value, attention_mask, scaling=N
     attention probabilities exist to return).
     """
     causal, window = _options(module, dropout, sliding_window, softcap, is_causal)
-    if attention_mask is not None and attention_mask.dim() != 2:
+    if attention_mask is not None and attention_mask.dim() not in (1, 2):
         raise ValueError(f"gstar attention takes no {attention_mask.dim()}-D custom attention mask (only the "
                          f"2-D padding mask): it expresses causal, sliding-window, padding and packing masks "
                          f"itself; use attn_implementation='eager' for arbitrary masks")
@@ -201,7 +224,13 @@ def gstar_attention_forward(module, query, key, value, attention_mask, scaling=N
                                  attention_mask=attention_mask, packed=cu_seq_lens_q is not None), None
     opts = dict(causal=causal, window=window, sinks=s_aux, scale=scaling)
 
-    if attention_mask is not None:
+    filled = None
+    if attention_mask is not None and attention_mask.dim() == 1:
+        # a static cache's filled lengths; a non-causal layer's keys (an encoder's, cross-attention's) are all real
+        filled, attention_mask = (attention_mask if causal else None), None
+    if filled is not None:
+        out = _cached(query, key, value, filled, **opts)
+    elif attention_mask is not None:
         out = _padded(query, key, value, attention_mask, **opts)
     elif cu_seq_lens_q is not None or cu_seq_lens_k is not None:
         if cu_seq_lens_q is None or cu_seq_lens_k is None:
@@ -235,22 +264,48 @@ def gstar_attention_forward(module, query, key, value, attention_mask, scaling=N
     return out, None
 
 
-def gstar_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offset=0, mask_function=None,
-               attention_mask=None, **kwargs):
-    """transformers mask function for ``"gstar"``: no 4-D mask, only the 2-D padding mask when one is needed.
+def _filled_lengths(batch_size, q_length, kv_length, q_offset, kv_offset, cache_position, device):
+    """``(B,)`` int32: the keys written in a layer's ``kv_length`` slots once this step's are added, or None
+    when all are. The slots hold positions ``kv_offset ..``, the queries end at ``q_offset + q_length``; a
+    static cache gives ``q_offset`` as a device tensor (older releases give ``cache_position``), which is
+    used as it is, never read."""
+    if q_length is None:  # releases before transformers 5 pass the queries' positions instead
+        q_length, end = cache_position.shape[0], cache_position[-1] + 1
+    else:
+        end = q_offset + q_length
+    if q_length == kv_length:  # the layer holds exactly the queries' keys
+        return None
+    filled = end - kv_offset
+    if isinstance(filled, torch.Tensor):
+        return filled.to(torch.int32).reshape(1).expand(batch_size).contiguous()
+    if filled >= kv_length:
+        return None
+    return torch.full((batch_size,), filled, dtype=torch.int32, device=device)
 
-    Returns ``None`` when there is no padding (the attention function applies causality, windows and
-    packing itself), else the ``(B, kv_length)`` boolean padding mask over the layer's keys. Extra mask
-    overlays a model may pass in ``mask_function`` (e.g. bidirectional image tokens) are not expressible.
-    Every argument is a keyword with a default because releases differ in what they pass (older ones send
-    ``cache_position`` instead of ``q_length``); only ``kv_length`` and ``attention_mask`` are read.
+
+def gstar_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offset=0, mask_function=None,
+               attention_mask=None, cache_position=None, device=None, **kwargs):
+    """transformers mask function for ``"gstar"``: no 4-D mask; what the attention function needs to tell real
+    keys from padding and from unwritten cache slots.
+
+    Returns ``None`` when every key the layer gets is real (the attention function applies causality, windows
+    and packing itself); the ``(B, kv_length)`` boolean padding mask over the layer's keys when it holds
+    padding; else, when the queries end before the layer's last slot (a static cache's buffer, not yet
+    filled), the ``(B,)`` int32 filled lengths, built on the device from the cache's offset. Cross-attention
+    (encoder keys) looks the same here; its non-causal attention ignores them. ``generate`` builds a static
+    cache's masks before the model's forward pass and hands them back to it: lengths given as
+    ``attention_mask`` are returned as they are. Extra mask overlays a model may pass in ``mask_function``
+    (e.g. bidirectional image tokens) are not expressible. Every argument is a keyword with a default because
+    releases differ in what they pass (older ones send ``cache_position`` instead of ``q_length`` and
+    ``q_offset``).
     """
-    if attention_mask is None:
-        return None
-    mask = attention_mask[:, -kv_length:]  # a sliding-window cache keeps only the last kv_length keys
-    if mask.shape[1] == kv_length and bool(mask.all()):
-        return None
-    return mask
+    if attention_mask is not None and attention_mask.dim() == 1:
+        return attention_mask
+    if attention_mask is not None:
+        mask = attention_mask[:, -kv_length:]  # a sliding-window cache keeps only the last kv_length keys
+        if not bool(mask.all()):
+            return mask
+    return _filled_lengths(batch_size, q_length, kv_length, q_offset, kv_offset, cache_position, device)
 
 
 def register():
