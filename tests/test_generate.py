@@ -1,9 +1,9 @@
 """``model.generate`` with the ``"gstar"`` attention implementation against ``"eager"`` on tiny random models.
 
 Greedy decoding from the dynamic cache (keys grow by concatenation; GPT-OSS's sliding layers keep only the
-window's) and from the static cache (preallocated buffers with unwritten slots, of which gstar attends to the
-written ones), batches of two with and without left padding: the same tokens as eager and every step's
-logits equal to float32 rounding.
+window's) and from the static cache (preallocated buffers with unwritten slots, decoded through
+:func:`gstar.flash_attention_with_kvcache`), batches of two with and without left padding: the same tokens
+as eager and every step's logits equal to float32 rounding.
 """
 
 import pytest
@@ -64,27 +64,28 @@ def test_gpt_oss_prompt_longer_than_the_window(cache, padding):
     _assert_generation_matches(ours, eager, *_batch(9, padding), cache)
 
 
-def test_static_cache_attends_to_the_written_slots(monkeypatch):
-    """Without padding, every layer of every step attends to the static buffer's written slots only, their
-    count growing by one a step, and nothing is unpadded."""
+def test_static_cache_decodes_from_its_buffer_with_device_lengths(monkeypatch):
+    """Without padding, every layer of every step attends through flash_attention_with_kvcache against the
+    whole static buffer, its lengths growing by one a step, and nothing is unpadded."""
     calls = []
-    attend = integration.flash_attention
+    attend = integration.flash_attention_with_kvcache
 
     def spy(q, k, v, **kwargs):
-        calls.append((q.shape[2], k.shape[2]))
+        calls.append((q.shape[2], k.shape[2], kwargs["cache_seqlens"].tolist()))
         return attend(q, k, v, **kwargs)
 
     def unpadded(*args, **kwargs):
         raise AssertionError("a batch without padding was unpadded")
 
-    monkeypatch.setattr(integration, "flash_attention", spy)
+    monkeypatch.setattr(integration, "flash_attention_with_kvcache", spy)
     monkeypatch.setattr(integration, "_padded", unpadded)
     _, ours = _pair(_llama)
     ids = torch.randint(1, VOCAB, (2, PROMPT))
     _generate(ours, ids, None, "static")
-    layers = ours.config.num_hidden_layers
+    layers, capacity = ours.config.num_hidden_layers, calls[0][1]
     # the prefill, then one token a step: the cache holds PROMPT + step keys once the step's are written
-    assert calls == [(PROMPT if step == 0 else 1, PROMPT + step) for step in range(NEW) for _ in range(layers)]
+    want = [(PROMPT if step == 0 else 1, capacity, [PROMPT + step] * 2) for step in range(NEW) for _ in range(layers)]
+    assert calls == want and capacity >= PROMPT + NEW - 1
 
 
 def test_static_lengths_are_traced_from_the_cache_offset():

@@ -20,9 +20,10 @@ function picks one of four paths:
 - plain batch: :func:`gstar.flash_attention` on the tensors as they come (no copies of q, k, v). With fewer
   queries than keys (decoding from a dynamic cache, whose sliding-window layers keep only the window's keys)
   the queries are the last keys, which is gstar's bottom-right alignment;
-- static cache: :func:`gstar.flash_attention` on the written slots of the cache's buffer (k, v already
-  written by the cache), their count the filled length, computed on the device from the cache's offset (a
-  device value in a static cache) and read on the host once per layer to slice the buffer;
+- static cache: :func:`gstar.flash_attention_with_kvcache` on the cache's buffer (k, v already written by
+  the cache), ``cache_seqlens`` the filled length ``(B,)`` int32, computed on the device from the cache's
+  offset (a device value in a static cache): no host read, so a compiled or graph-captured decode step
+  stays whole. Forward only, as decoding is;
 - padded batch (2-D mask with zeros): unpad, :func:`gstar.flash_attention_varlen`, pad back. With fewer
   queries than keys (generation) each row's queries must be its last real keys, as left padding gives (a
   mask whose last column holds a zero raises a ``ValueError``). Exact with either cache (a static buffer's
@@ -30,9 +31,9 @@ function picks one of four paths:
 - packed batch (``cu_seq_lens_q/k`` from a flattening collator, or position ids restarting at 0 inside a
   row): :func:`gstar.flash_attention_varlen` on the flattened batch, each document attending only to itself.
 
-Under ``torch.compile`` the plain and ``cu_seq_lens`` paths trace without a host read; a padding mask, whose
-lengths must be read to unpad, and a static cache's filled length, read to slice its buffer, break the graph
-there, and position ids are not searched for documents (pass ``cu_seq_lens_q/k`` instead).
+Under ``torch.compile`` the plain, static-cache and ``cu_seq_lens`` paths trace without a host read; a padding
+mask, whose lengths must be read to unpad, breaks the graph there, and position ids are not searched for
+documents (pass ``cu_seq_lens_q/k`` instead).
 
 What the model asks for and gstar cannot do (attention dropout while training, logit soft-capping, custom
 4-D masks) raises a ``ValueError`` naming the feature instead of being silently ignored.
@@ -55,6 +56,7 @@ except ImportError:
 
 from ..api import check_cu_seqlens_values, flash_attention, flash_attention_varlen
 from ..distributed import context as context_parallel
+from ..kvcache import flash_attention_with_kvcache
 from ..varlen import cu_seqlens_from_mask, cu_seqlens_from_position_ids, pad, unpad
 
 NAME = "gstar"
@@ -137,12 +139,13 @@ def _padded(q, k, v, mask, **opts):
     return pad(out, idx_q, B, Nq)
 
 
-def _cached(q, k, v, filled, **opts):
+def _cached(q, k, v, cache_seqlens, **opts):
     """Static cache: q (B, Hq, Nq, D) against the cache's buffers k (B, Hkv, Nmax, D), v (B, Hkv, Nmax, Dv), of
-    which the first ``filled`` slots (B,) are written (equal for every row: the static cache's one offset, see
-    :func:`gstar_mask`), its queries the last Nq of those -> (B, Nq, Hq, Dv). One host read of the length."""
-    n = int(filled[0])
-    return _rows_first(flash_attention(q, k[:, :, :n], v[:, :, :n], **opts))
+    which sequence b's first cache_seqlens[b] slots are written, its queries the last Nq of those ->
+    (B, Nq, Hq, Dv). The lengths come from the cache's own offset (see :func:`gstar_mask`): no check on the
+    host, which would read them."""
+    out = flash_attention_with_kvcache(q, k, v, cache_seqlens=cache_seqlens, check_values=False, **opts)
+    return _rows_first(out)
 
 
 def _packing_plan(position_ids, batch: int):
