@@ -17,8 +17,9 @@ from gstar.streaming import StreamingCache
 
 
 def _stream(cache, q, k, v, steps, sinks, backend, num_splits):
-    """Feed ``q``, ``k``, ``v`` (B, H, N, D) through ``cache``'s layer 0 in steps of the sizes ``steps``; the
-    outputs (B, Hq, N, Dv), the pages in use after each step and how often the band moved down."""
+    """Feed ``q``, ``k``, ``v`` (B, H, N, D) through ``cache`` in steps of the sizes ``steps``, layer ``l`` with
+    values ``v * 2**l`` (its output must be layer 0's times ``2**l``, exactly); layer 0's outputs (B, Hq, N, Dv),
+    the pages in use after each step and how often the band moved down."""
     outs, in_use, moves, start, kernel_start = [], [], 0, 0, 0
     for n in steps:
         assert cache.step(n) == start
@@ -27,20 +28,23 @@ def _stream(cache, q, k, v, steps, sinks, backend, num_splits):
         cache.k[:, cache.free] = float("nan")  # a freed page that is still read shows in the output
         cache.v[:, cache.free] = float("nan")
         part = slice(start, start + n)
-        outs.append(cache.attend(0, q[:, :, part], k[:, :, part], v[:, :, part], sinks=sinks, backend=backend,
-                                 num_splits=num_splits, check_values=True))
+        layers = [cache.attend(layer, q[:, :, part], k[:, :, part], v[:, :, part] * 2**layer, sinks=sinks,
+                               backend=backend, num_splits=num_splits, check_values=True)
+                  for layer in range(cache.k.shape[0])]
+        assert all(torch.equal(out, layers[0] * 2**layer) for layer, out in enumerate(layers))
+        outs.append(layers[0])
         in_use.append(cache.pages_in_use)
         start += n
     return torch.cat(outs, dim=2), in_use, moves
 
 
-def _check(backend, dtype, *, B, Hq, Hkv, D, Dv, S, W, bs, steps, learned, num_splits=None):
+def _check(backend, dtype, *, layers, B, Hq, Hkv, D, Dv, S, W, bs, steps, learned, num_splits=None):
     N = sum(steps)
     q = torch.randn(B, Hq, N, D, dtype=dtype)
     k = torch.randn(B, Hkv, N, D, dtype=dtype)
     v = torch.randn(B, Hkv, N, Dv, dtype=dtype)
     sinks = torch.randn(Hq) if learned else None
-    cache = StreamingCache(layers=2, batch=B, kv_heads=Hkv, head_dim=D, value_dim=Dv, sink_tokens=S, window=W,
+    cache = StreamingCache(layers=layers, batch=B, kv_heads=Hkv, head_dim=D, value_dim=Dv, sink_tokens=S, window=W,
                            block_size=bs, max_new=max(steps), dtype=dtype)
     with torch.no_grad():
         out, in_use, moves = _stream(cache, q, k, v, steps, sinks, backend, num_splits)
@@ -61,7 +65,7 @@ def _check(backend, dtype, *, B, Hq, Hkv, D, Dv, S, W, bs, steps, learned, num_s
     (32, 33, 32, [5, 1, 3, 2, 5, 4] * 10),    # whole sink-token blocks, steps of a few tokens
 ])
 def test_torch_path_matches_oracle(dtype, S, W, bs, steps):
-    _check("torch", dtype, B=2, Hq=4, Hkv=2, D=16, Dv=16, S=S, W=W, bs=bs, steps=steps, learned=S != 32)
+    _check("torch", dtype, layers=2, B=2, Hq=4, Hkv=2, D=16, Dv=16, S=S, W=W, bs=bs, steps=steps, learned=S != 32)
 
 
 @pytest.mark.parametrize("S,W,steps,num_splits", [
@@ -70,8 +74,8 @@ def test_torch_path_matches_oracle(dtype, S, W, bs, steps):
 ])
 def test_triton_kernel_matches_oracle(S, W, steps, num_splits):
     """The decode kernel under the Triton interpreter (tests/conftest.py), tiny shapes, learned sinks."""
-    _check("triton", torch.float32, B=2, Hq=2, Hkv=1, D=16, Dv=8, S=S, W=W, bs=16, steps=steps, learned=True,
-           num_splits=num_splits)
+    _check("triton", torch.float32, layers=1, B=2, Hq=2, Hkv=1, D=16, Dv=8, S=S, W=W, bs=16, steps=steps,
+           learned=True, num_splits=num_splits)
 
 
 def test_step_bookkeeping():
