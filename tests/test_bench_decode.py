@@ -1,6 +1,6 @@
 """``gstar bench --suite decode``: the decode cases (shapes, pages, floors, FLOPs), the oracle of caches of
 unequal lengths, every adapter that runs on a CPU checked against it, and the suite end to end at reduced
-shapes. The FA4, fla and FlexAttention rows run on a GPU only (``test_gpu_decode_peers_agree_with_the_oracle``)."""
+shapes. The FA4 and fla rows and compiled FlexAttention run on a GPU only (``test_gpu_decode_peers_agree_with_the_oracle``)."""
 
 import dataclasses
 import itertools
