@@ -16,7 +16,7 @@ from gstar.bench.cases import Case, document_lengths, for_cpu, packed_case, suit
 from gstar.bench.peers import PEER_NAMES, Eager, Gstar, GstarPadded, Peer
 from gstar.bench.report import markdown_table
 from gstar.bench.runner import add_ratios, run_row
-from gstar.cli.bench import cases_from_args
+from gstar.cli.bench import cases_from_args, timing_of
 from gstar.cli.main import build_parser, main
 
 
@@ -27,7 +27,7 @@ def parse(*argv):
 def test_defaults():
     args = parse()
     assert args.suite == "gpt-oss" and args.mode == "fwd" and args.impls == list(PEER_NAMES)
-    assert args.timing == "eager"
+    assert args.timing is None and timing_of(args, cuda=True) == "eager"  # graph replays for decode only
     assert PEER_NAMES[0] == "gstar"
     assert cases_from_args(args, "cuda") == suite("gpt-oss")
 
@@ -360,7 +360,7 @@ def test_eager_declines_a_capture_it_would_not_fit(monkeypatch):
     """A capture needs about twice the eager call's memory (a failed one keeps it): the bar doubles."""
     from gstar.bench import peers
     case = Case("t", 1, 4, 4, 1000, 16)
-    need = 10 * 4 * 1000 * 1001 * 2  # fwd+bwd bytes of the eager estimate
+    need = (10 * 4 * 1000 * 1001 + 2 * 4 * 1000 * 32) * 2  # fwd+bwd bytes of the eager estimate: scores, repeated kv
     monkeypatch.setattr(peers, "_free_bytes", lambda device: int(need / 0.6) + 1)
     eager, device = Eager(), torch.device("cpu")
     assert eager.unsupported(case, device, "fwd+bwd") is None

@@ -62,10 +62,13 @@ class Pattern:
         """p(i) - i: how far query row i sits after the start of the keys."""
         return self.nk - self.nq
 
-    def visible(self, rows, cols):
-        """The rule itself; ``rows`` and ``cols`` are ints or broadcastable integer tensors."""
-        pos = rows + self.offset
-        ok = (rows >= 0) & (rows < self.nq) & (cols >= 0) & (cols < self.nk)
+    def visible(self, rows, cols, nk=None):
+        """The rule itself; ``rows`` and ``cols`` are ints or broadcastable integer tensors. ``nk`` (default
+        ``self.nk``) may be a tensor too: the key counts of sequences that share every other field (a decode
+        batch whose caches hold different lengths)."""
+        nk = self.nk if nk is None else nk
+        pos = rows + nk - self.nq
+        ok = (rows >= 0) & (rows < self.nq) & (cols >= 0) & (cols < nk)
         if self.right >= 0:
             ok = ok & (cols <= pos + self.right)
         if self.left >= 0:
@@ -85,6 +88,12 @@ class Pattern:
             lo, hi = self.key_range(i, i + 1)
             total += max(0, hi - lo) + max(0, min(self.sink_tokens, lo, hi))
         return total
+
+    def visible_keys(self) -> int:
+        """The number of keys some query sees: the band of all rows and the sink tokens below it (the keys a
+        decode step must read; ``nk`` when ``nq == nk``)."""
+        lo, hi = self.key_range(0, self.nq)
+        return max(0, hi - lo) + max(0, min(self.sink_tokens, lo, hi))
 
     def key_range(self, row_start: int, row_end: int) -> tuple[int, int]:
         """Keys ``[lo, hi)`` that the window band of rows ``[row_start, row_end)`` reaches (sinks excluded)."""

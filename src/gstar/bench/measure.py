@@ -35,17 +35,23 @@ def make_inputs(case: Case, device, *, seed: int = 0) -> dict:
 
     q: (B, Hq, N, D), k: (B, Hkv, N, D), v: (B, Hkv, N, Dv) in the case's dtype; sinks: (Hq,) float32 or
     None; dout: (B, Hq, N, Dv), the upstream gradient of the backward modes. A packed case's tensors are
-    (total, H, D or Dv) instead.
+    (total, H, D or Dv) instead. A decode case's q and dout hold its Nq queries, k and v its cache (random
+    past each sequence's length too, so that reading there shows); a paged one adds ``k_pages`` and
+    ``v_pages``, the same cache as its pool (``Case.to_pages``).
     """
     g = torch.Generator(device=device).manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=g, device=device, dtype=torch.float32)  # noqa: E731
 
-    def tokens(heads, width):  # (B, H, N, width), or (total, H, width) packed
-        shape = (case.tokens, heads) if case.packed else (case.batch, heads, case.seqlen)
+    def tokens(heads, width, rows):  # (B, H, rows, width), or (total, H, width) packed
+        shape = (case.tokens, heads) if case.packed else (case.batch, heads, rows)
         return rand(*shape, width).to(case.torch_dtype)
-    return {"q": tokens(case.heads, case.head_dim), "k": tokens(case.kv_heads, case.head_dim),
-            "v": tokens(case.kv_heads, case.dv), "sinks": rand(case.heads) if case.sinks else None,
-            "dout": tokens(case.heads, case.dv)}
+    nq = case.queries or case.seqlen
+    inputs = {"q": tokens(case.heads, case.head_dim, nq), "k": tokens(case.kv_heads, case.head_dim, case.seqlen),
+              "v": tokens(case.kv_heads, case.dv, case.seqlen), "sinks": rand(case.heads) if case.sinks else None,
+              "dout": tokens(case.heads, case.dv, nq)}
+    if case.paged:
+        inputs.update(k_pages=case.to_pages(inputs["k"]), v_pages=case.to_pages(inputs["v"]))
+    return inputs
 
 
 _BUDGET_RULE = "a quarter of the free GPU memory, at most 4 GiB; 512 MiB on CPU"
@@ -64,7 +70,12 @@ def naive_reference(case: Case, inputs: dict, dtype: torch.dtype, *, grads: bool
     (and ``dsinks``) for the upstream gradient ``inputs["dout"]``. Results keep ``dtype`` and the layout of
     the inputs.
     """
-    res = _per_document(case, inputs, dtype, grads) if case.packed else _dense(case, inputs, dtype, grads)
+    if case.packed:
+        res = _per_document(case, inputs, dtype, grads)
+    elif case.decode and case.lengths:
+        res = _per_cache(case, inputs, dtype, grads)
+    else:
+        res = _dense(case, inputs, dtype, grads)
     return {name: x.to(dtype) for name, x in res.items()}
 
 
@@ -76,14 +87,16 @@ def _dense(case: Case, inputs: dict, dtype: torch.dtype, grads: bool) -> dict:
     Hkv, Nk = k.shape[1], k.shape[2]
     group = Hq // Hkv
     p = case.pattern
-    # ~8 float32 buffers of Nk keys per (row, head) while the score matrix and its gradient are alive
+    # ~8 float32 buffers of Nk keys per (row, head) while the score matrix and its gradient are alive; per kv
+    # head its keys and values repeated for the group in the oracle's dtype (what a decode step's few rows need)
     row_bytes = group * Nk * 4 * 8
+    head_bytes = row_bytes * Nq + group * Nk * (D + v.shape[-1]) * dtype.itemsize
     budget, min_rows = _budget(q.device), min(MIN_PIECE_ROWS, Nq)
     rows_fit = budget // row_bytes
     if rows_fit < min_rows:  # thinner pieces take hours (one autograd call each)
         raise MemoryError(f"the oracle needs {min_rows * row_bytes / 2**30:.2f} GiB for pieces of {min_rows} "
                           f"rows, over its budget of {budget / 2**30:.2f} GiB ({_BUDGET_RULE})")
-    kv_step = max(1, min(Hkv, rows_fit // Nq))
+    kv_step = max(1, min(Hkv, budget // head_bytes))
     # A block of rows is exact with the keys up to its last row's position when no key lies right of p(i)
     # (right bound 0), or with all keys when nothing depends on position (no bound at all); other patterns
     # take all rows in one piece.
@@ -146,6 +159,20 @@ def _per_document(case: Case, inputs: dict, dtype: torch.dtype, grads: bool) -> 
     if grads and inputs["sinks"] is not None:
         res["dsinks"] = dsinks
     return res
+
+
+def _per_cache(case: Case, inputs: dict, dtype: torch.dtype, grads: bool) -> dict:
+    """:func:`naive_reference` of a decode case whose sequences hold caches of different lengths: each
+    sequence against its own keys (forward only)."""
+    if grads:
+        raise ValueError("a decode step is forward only")
+    outs = []
+    for b, n in enumerate(case.lengths):
+        one = dataclasses.replace(case, batch=1, seqlen=n, lengths=())
+        piece = {name: inputs[name][b:b + 1] for name in ("q", "dout")}
+        piece.update({name: inputs[name][b:b + 1, :, :n] for name in ("k", "v")})   # (1, Hkv, n, D)
+        outs.append(_dense(one, dict(piece, sinks=inputs["sinks"]), dtype, False)["out"])
+    return {"out": torch.cat(outs)}                                                  # (B, Hq, Nq, Dv)
 
 
 def oracle_dtype(device: torch.device) -> torch.dtype:

@@ -11,6 +11,13 @@ Peers whose native layout is ``(B, N, H, D)`` receive transposed views of ``(B, 
 tensors (``layout = "bnhd"``), so no copy happens inside the timed call. A packed case (the ``varlen`` suite)
 has rows for gstar on the packed tokens and for gstar on the same documents padded into a batch
 (``layout = "padded"``) only.
+
+A decode case (the ``decode`` suite) gives ``q: (B, Hq, Nq, D)`` and its cache as ``k: (B, Hkv, N, D)``,
+``v: (B, Hkv, N, Dv)``, or, paged, as the pools ``(pages, page_size, Hkv, D)`` / ``(..., Dv)`` of
+``Case.block_table`` (the same layout for every peer). Each peer takes the lengths (``Case.cache_seqlens``)
+and the block table from the case in :meth:`Peer.build`, on the device, outside the timed call. gstar runs
+``flash_attention_with_kvcache``; ``gstar-prefill`` runs ``flash_attention`` on the same queries and dense
+cache (the training kernel: one program per sequence and kv head).
 """
 
 from __future__ import annotations
@@ -39,6 +46,15 @@ def _window_or_causal_only(case: Case) -> str | None:
     p = case.pattern
     if p.left >= 0 or p.right > 0:
         return "no sliding window"
+    return None
+
+
+def _dense_cache(case: Case) -> str | None:
+    """Why a peer that reads one dense ``(B, N)`` key tensor cannot run a decode case, or None."""
+    if case.paged:
+        return "no paged cache"
+    if case.decode and case.lengths:
+        return "one key length for the whole batch"
     return None
 
 
@@ -84,17 +100,26 @@ class Peer:
 
 class Gstar(Peer):
     """``gstar.flash_attention`` with ``backend="auto"``: Triton on CUDA, the tiled PyTorch path on CPU; on a
-    packed case ``gstar.flash_attention_varlen`` on the packed ``(total, H, D)`` tokens."""
+    packed case ``gstar.flash_attention_varlen`` on the packed ``(total, H, D)`` tokens; on a decode case
+    ``gstar.flash_attention_with_kvcache`` on the cache (lengths on the device, values not checked on the host:
+    a decode loop's call)."""
 
     name = "gstar"
     module = "gstar"
+    kvcache = True  # a decode case through flash_attention_with_kvcache
 
     def applies(self, case):
         return True
 
     def build(self, case, device):
         from ..api import flash_attention, flash_attention_varlen
+        from ..kvcache import flash_attention_with_kvcache
         kw = dict(causal=case.causal, window=case.window, sink_tokens=case.sink_tokens)
+        if case.decode and self.kvcache:
+            lengths = case.cache_seqlens(device)
+            table = case.block_table(device) if case.paged else None
+            return lambda q, k, v, sinks: flash_attention_with_kvcache(
+                q, k, v, cache_seqlens=lengths, block_table=table, sinks=sinks, check_values=False, **kw)
         if case.packed and self.layout != "padded":
             cu, n = case.cu_seqlens(device), case.seqlen
             return lambda q, k, v, sinks: flash_attention_varlen(q, k, v, cu, cu, n, n, sinks=sinks, **kw)
@@ -116,12 +141,28 @@ class GstarPadded(Gstar):
         return None if case.pattern.right == 0 else "right padding is exact for causal patterns only"
 
 
+class GstarPrefill(Gstar):
+    """``gstar.flash_attention`` on a decode case: the queries against the dense cache, as a decode step runs
+    without ``flash_attention_with_kvcache`` (bottom-right alignment puts them at the cache's end)."""
+
+    name = "gstar-prefill"
+    kvcache = False
+
+    def applies(self, case):
+        return case.decode
+
+    def unsupported(self, case, device, mode):
+        return _dense_cache(case)
+
+
 class Eager(Peer):
     """Hugging Face GPT-OSS eager attention: repeat kv, scores, mask, sink column, softmax, drop it, @ v."""
 
     name = "eager"
 
     def unsupported(self, case, device, mode):
+        if case.paged:
+            return "no paged cache"
         return self._oom_risk(case, device, mode, 1)
 
     def uncapturable(self, case, device, mode):
@@ -131,31 +172,46 @@ class Eager(Peer):
 
     @staticmethod
     def _oom_risk(case, device, mode, factor: int) -> str | None:
-        # scores, masked, + sink column, - max, softmax; the backward keeps about as many again
-        buffers = (5 if mode == "fwd" else 10) * factor
-        need = buffers * case.batch * case.heads * case.seqlen * (case.seqlen + 1) * case.torch_dtype.itemsize
+        # scores, masked, + sink column, - max, softmax; the backward keeps about as many again. K and V repeated
+        # for every query head (and their gradients): what a decode step's few rows need most of
+        buffers, copies = (5, 1) if mode == "fwd" else (10, 2)
+        scores = buffers * case.batch * case.heads * case.pattern.nq * (case.seqlen + 1)
+        repeated = copies * case.batch * case.heads * case.seqlen * (case.head_dim + case.dv)
+        need = factor * (scores + repeated) * case.torch_dtype.itemsize
         if need > 0.6 * _free_bytes(device):
             return f"OOM-risk: ~{need / 2**30:.0f} GiB" + (" in a CUDA graph" if factor > 1 else "")
         return None
 
     def build(self, case, device):
-        visible = case.pattern.mask(device)                              # (N, N) bool
+        visible = _visible(case, device)                                 # (Nq, Nk), or (B, 1, Nq, Nk)
         group = case.heads // case.kv_heads
         scale = case.head_dim ** -0.5
 
         def eager(q, k, v, sinks):
-            B, H, N, _ = q.shape
-            k = k.repeat_interleave(group, dim=1)                        # (B, H, N, D)
+            B, H, Nq, _ = q.shape
+            Nk = k.shape[2]
+            k = k.repeat_interleave(group, dim=1)                        # (B, H, Nk, D)
             v = v.repeat_interleave(group, dim=1)
-            scores = (q @ k.transpose(-1, -2)) * scale                   # (B, H, N, N)
+            scores = (q @ k.transpose(-1, -2)) * scale                   # (B, H, Nq, Nk)
             scores = scores.masked_fill(~visible, -math.inf)
             if sinks is not None:
-                sink_col = sinks.to(scores.dtype).view(1, H, 1, 1).expand(B, H, N, 1)
-                scores = torch.cat([scores, sink_col], dim=-1)           # (B, H, N, N + 1)
+                sink_col = sinks.to(scores.dtype).view(1, H, 1, 1).expand(B, H, Nq, 1)
+                scores = torch.cat([scores, sink_col], dim=-1)           # (B, H, Nq, Nk + 1)
             scores = scores - scores.amax(dim=-1, keepdim=True)          # as HF does, before its softmax
             probs = torch.softmax(scores, dim=-1, dtype=scores.dtype)
-            return probs[..., :N] @ v                                    # (B, H, N, Dv)
+            return probs[..., :Nk] @ v                                   # (B, H, Nq, Dv)
         return eager
+
+
+def _visible(case: Case, device) -> torch.Tensor:
+    """The case's mask: ``(Nq, Nk)`` bool, or ``(B, 1, Nq, Nk)`` for a decode batch of unequal lengths (each
+    sequence's rule on its own length, nothing past it)."""
+    p = case.pattern
+    if not (case.decode and case.lengths):
+        return p.mask(device)
+    rows = torch.arange(p.nq, device=device)[:, None]                    # (Nq, 1)
+    cols = torch.arange(p.nk, device=device)[None, :]                    # (1, Nk)
+    return p.visible(rows, cols, nk=case.cache_seqlens(device).view(-1, 1, 1, 1))
 
 
 class Sdpa(Peer):
@@ -176,7 +232,9 @@ class Sdpa(Peer):
             return "fp16/bf16 only"
         if self.backend == "flash" and case.dv != case.head_dim:
             return "equal head dims only"
-        return _window_or_causal_only(case)
+        if case.decode and case.causal and case.queries > 1:
+            return "is_causal aligns queries top-left"
+        return _dense_cache(case) or _window_or_causal_only(case)
 
     def build(self, case, device):
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -184,12 +242,13 @@ class Sdpa(Peer):
         backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[self.backend]
         group = case.heads // case.kv_heads
         state = {"gqa": group > 1}  # native GQA first; repeated kv if this backend rejects enable_gqa
+        causal = case.causal and not case.decode  # one query at the cache's end sees every key
 
         def call(q, k, v, gqa):
             if group > 1 and not gqa:
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             with sdpa_kernel(backend):
-                return sdpa(q, k, v, is_causal=case.causal, enable_gqa=gqa)
+                return sdpa(q, k, v, is_causal=causal, enable_gqa=gqa)
 
         def fn(q, k, v, sinks):
             if state["gqa"]:
@@ -201,17 +260,14 @@ class Sdpa(Peer):
         return fn
 
 
-@functools.lru_cache(maxsize=1)
-def _flex_compiled():
-    import torch._dynamo
+def flex_with_sinks():
+    """``fn(q, k, v, sinks, block_mask) -> out``: FlexAttention with GQA and learned sinks (``sinks: (Hq,)``
+    float32 or None), ``q (B, Hq, Nq, D)`` against ``k, v (B, Hkv, Nk, D)`` under ``block_mask``, each row then
+    scaled by the share of its softmax that the sink leaves to the keys, from the LSE Flex returns."""
     from torch.nn.attention.flex_attention import flex_attention
-    cfg = torch._dynamo.config
-    for knob in ("cache_size_limit", "recompile_limit"):  # one compiled graph per case shape
-        if hasattr(cfg, knob):
-            setattr(cfg, knob, max(getattr(cfg, knob), 256))
     aux = "return_aux" in inspect.signature(flex_attention).parameters
 
-    def flex_with_sinks(q, k, v, sinks, block_mask):
+    def fn(q, k, v, sinks, block_mask):
         if sinks is None:
             return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
         if aux:
@@ -221,14 +277,40 @@ def _flex_compiled():
             lse = extra.lse
         else:
             out, lse = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True)
-        # sum_j e^s / (sum_j e^s + e^sink) = out * e^lse / (e^lse + e^sink) = out * sigmoid(lse - sink)
-        keep = torch.sigmoid(lse - sinks.view(1, -1, 1))                 # (B, H, N)
+        # sum_j e^s / (sum_j e^s + e^sink) = out * e^lse / (e^lse + e^sink) = out * sigmoid(lse - sink); a row
+        # that sees no key has lse = -inf: weight 0, out 0, as the rule has it
+        keep = torch.sigmoid(lse - sinks.view(1, -1, 1))                 # (B, Hq, Nq)
         return (out.float() * keep.unsqueeze(-1)).to(q.dtype)
-    return torch.compile(flex_with_sinks, dynamic=False)
+    return fn
+
+
+@functools.lru_cache(maxsize=1)
+def _flex_compiled():
+    import torch._dynamo
+    cfg = torch._dynamo.config
+    for knob in ("cache_size_limit", "recompile_limit"):  # one compiled graph per case shape
+        if hasattr(cfg, knob):
+            setattr(cfg, knob, max(getattr(cfg, knob), 256))
+    return torch.compile(flex_with_sinks(), dynamic=False)
+
+
+def flex_block_mask(case: Case, device):
+    """The block mask of ``case`` for FlexAttention, or None where every query sees every key. A decode batch
+    of unequal lengths gets one mask per sequence, its lengths read on the device inside the mask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    p = case.pattern
+    if case.decode and case.lengths:
+        lengths = case.cache_seqlens(device)
+        return create_block_mask(lambda b, h, i, j: p.visible(i, j, nk=lengths[b]), case.batch, None, p.nq, p.nk,
+                                 device=device)
+    if p.visible_pairs() == p.nq * p.nk:
+        return None
+    return create_block_mask(lambda b, h, i, j: p.visible(i, j), None, None, p.nq, p.nk, device=device)
 
 
 class Flex(Peer):
-    """Compiled FlexAttention: a block mask for causal / window / sink tokens, learned sinks via the LSE."""
+    """Compiled FlexAttention: a block mask for causal / window / sink tokens / cache lengths, learned sinks
+    via the LSE (:func:`flex_with_sinks`)."""
 
     name = "flex"
     cuda_only = True
@@ -236,19 +318,20 @@ class Flex(Peer):
     def _fn(self):
         return importlib.import_module("torch.nn.attention.flex_attention").flex_attention
 
+    def unsupported(self, case, device, mode):
+        # paged caches only through torch's experimental PagedAttention, outside the public flex_attention
+        return "no paged cache" if case.paged else None
+
     def build(self, case, device):
-        from torch.nn.attention.flex_attention import create_block_mask
-        p = case.pattern
-        block_mask = None
-        if p.left >= 0 or p.right >= 0:
-            block_mask = create_block_mask(lambda b, h, i, j: p.visible(i, j), None, None, p.nq, p.nk,
-                                           device=device)
+        block_mask = flex_block_mask(case, device)
         compiled = _flex_compiled()
         return lambda q, k, v, sinks: compiled(q, k, v, sinks, block_mask)
 
 
 class FA4(Peer):
-    """FlashAttention-4 (``flash_attn.cute.flash_attn_func``), ``(B, N, H, D)`` layout, when importable."""
+    """FlashAttention-4 (``flash_attn.cute.flash_attn_func``), ``(B, N, H, D)`` layout, when importable; a decode
+    case through its decode entry, ``flash_attn_varlen_func`` with the lengths on the device (``seqused_k``)
+    and, paged, ``page_table`` over the pools (its paged layout is gstar's)."""
 
     name = "fa4"
     layout = "bnhd"
@@ -259,8 +342,14 @@ class FA4(Peer):
         from flash_attn.cute import flash_attn_func
         return flash_attn_func
 
+    def _entry(self, case: Case):
+        if case.decode:
+            from flash_attn.cute import flash_attn_varlen_func
+            return flash_attn_varlen_func
+        return self._fn()
+
     def unsupported(self, case, device, mode):
-        params = inspect.signature(self._fn()).parameters
+        params = inspect.signature(self._entry(case)).parameters
         p = case.pattern
         if case.sinks and "learnable_sink" not in params:
             return "no learned sinks"
@@ -270,25 +359,39 @@ class FA4(Peer):
             return "no sliding window"
         if case.torch_dtype == torch.float32:
             return "fp16/bf16 only"
+        if case.decode and "seqused_k" not in params:
+            return "no per-sequence key lengths"
+        if case.paged and "page_table" not in params:
+            return "no paged cache"
         return None
 
     def build(self, case, device):
-        fa = self._fn()
+        fa = self._entry(case)
         p = case.pattern
         kw = {"causal": p.right == 0 and p.left < 0, "softmax_scale": case.head_dim ** -0.5}
         if p.left >= 0 or p.right > 0:
             kw["window_size"] = (p.left if p.left >= 0 else None, p.right if p.right >= 0 else None)
+        if case.decode:
+            kw["seqused_k"] = case.cache_seqlens(device)
+            if case.paged:
+                kw["page_table"] = case.block_table(device)
+            # split-KV on Blackwell (num_splits < 1: FA4's own choice); SM 8.x and 9.x assert a single split
+            kw["num_splits"] = 0 if torch.cuda.get_device_capability(device)[0] in (10, 11) else 1
 
         def fn(q, k, v, sinks):
             extra = {} if sinks is None else {"learnable_sink": sinks}
-            res = fa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kw, **extra)
+            if not case.paged:  # a paged cache's pools arrive as they are: (pages, page_size, Hkv, D)
+                k, v = k.transpose(1, 2), v.transpose(1, 2)
+            res = fa(q.transpose(1, 2), k, v, **kw, **extra)
             out = res[0] if isinstance(res, tuple) else res              # (B, N, H, D)
             return out.transpose(1, 2)
         return fn
 
 
 class Fla(Peer):
-    """flash-linear-attention's softmax attention (``fla.ops.attn.parallel.parallel_attn``): causal only."""
+    """flash-linear-attention's softmax attention (``fla.ops.attn.parallel.parallel_attn``): causal only; a
+    decode case through its decoding kernel (``fla.ops.attn.decoding.attn_decoding_one_step``): one query per
+    sequence against its keys packed back to back (``cu_seqlens``), which a full cache of equal lengths is."""
 
     name = "fla"
     layout = "bnhd"
@@ -299,7 +402,13 @@ class Fla(Peer):
         from fla.ops.attn.parallel import parallel_attn
         return parallel_attn
 
+    def _decoding(self):
+        from fla.ops.attn.decoding import attn_decoding_one_step
+        return attn_decoding_one_step
+
     def unsupported(self, case, device, mode):
+        if case.decode:
+            return self._decode_unsupported(case)
         params = inspect.signature(self._fn()).parameters
         p = case.pattern
         if p.right != 0:
@@ -312,7 +421,29 @@ class Fla(Peer):
             return "no learned sinks"
         return None
 
+    def _decode_unsupported(self, case: Case) -> str | None:
+        try:
+            params = inspect.signature(self._decoding()).parameters
+        except ImportError:
+            return "no decoding kernel (fla.ops.attn.decoding)"
+        p = case.pattern
+        if case.queries > 1:
+            return "one query per sequence"
+        if case.paged:
+            return "no paged cache"
+        if case.lengths:
+            return "keys packed back to back: a cache of unequal lengths has gaps"
+        if p.sink_tokens:
+            return "no sink tokens"
+        if p.left >= 0 and "window_size" not in params:
+            return "no sliding window"
+        if case.sinks and "sink_bias" not in params:
+            return "no learned sinks"
+        return None  # one query at its sequence's end: a right bound changes nothing
+
     def build(self, case, device):
+        if case.decode:
+            return self._build_decode(case, device)
         fla = self._fn()
         p = case.pattern
         kw = {"scale": case.head_dim ** -0.5}
@@ -326,10 +457,29 @@ class Fla(Peer):
             return out.transpose(1, 2)
         return fn
 
+    def _build_decode(self, case: Case, device):
+        fla = self._decoding()
+        p = case.pattern
+        B, N = case.batch, case.seqlen
+        kw = {"scale": case.head_dim ** -0.5,
+              "cu_seqlens": torch.arange(0, (B + 1) * N, N, dtype=torch.int64, device=device)}  # (B + 1,)
+        if p.left >= 0:
+            kw["window_size"] = p.left + 1  # the last left + 1 keys, the query's own included
+
+        def fn(q, k, v, sinks):
+            extra = {} if sinks is None else {"sink_bias": sinks}
+            Hq, Hkv = q.shape[1], k.shape[1]
+            q1 = q.transpose(1, 2).reshape(1, B, Hq, -1)                 # (1, B, Hq, D): one query a sequence
+            k1 = k.transpose(1, 2).reshape(1, B * N, Hkv, -1)            # (1, B N, Hkv, D): the cache, packed
+            v1 = v.transpose(1, 2).reshape(1, B * N, Hkv, -1)
+            out = fla(q1, k1, v1, **kw, **extra)                         # (1, B, Hq, Dv)
+            return out.view(B, 1, Hq, -1).transpose(1, 2)                # (B, Hq, 1, Dv)
+        return fn
+
 
 def all_peers() -> list[Peer]:
     """Every implementation, gstar first (the ratio column divides by its time)."""
-    return [Gstar(), GstarPadded(), Eager(), Sdpa("flash"), Sdpa("cudnn"), Flex(), FA4(), Fla()]
+    return [Gstar(), GstarPadded(), GstarPrefill(), Eager(), Sdpa("flash"), Sdpa("cudnn"), Flex(), FA4(), Fla()]
 
 
 PEER_NAMES = tuple(p.name for p in all_peers())

@@ -79,7 +79,7 @@ def write_json(path: str, payload: dict) -> None:
 
 
 CSV_CASE_FIELDS = ("family", "batch", "heads", "kv_heads", "seqlen", "head_dim", "value_dim", "causal", "window_left",
-                   "window_right", "sink_tokens", "sinks", "dtype", "lengths")
+                   "window_right", "sink_tokens", "sinks", "dtype", "lengths", "queries", "page_size")
 CSV_ROW_FIELDS = ("impl", "status", "reason", "time_ms", "tflops", "peak_mib", "vs_gstar", "max_error",
                   "memory_floor_ms", "compute_floor_ms", "bound", "floor_pct")
 CSV_ENV_FIELDS = ("card", "driver", "cuda", "torch", "triton", "timing", "date", "command")
@@ -144,19 +144,32 @@ def _cell(row: dict | None) -> str:
     return f"{row['time_ms']:.3f}" + (" (wrong)" if row["status"] == "WRONG" else "")
 
 
+def _floor(rows: dict) -> str:
+    """The case's floor on the run's card (the larger of memory and compute) and which one it is, or ``-``."""
+    for r in rows.values():
+        if r.get("memory_floor_ms") is not None:
+            return f"{max(r['memory_floor_ms'], r['compute_floor_ms']):.3g} ({r['bound']})"
+    return "-"
+
+
 def markdown_table(data: dict) -> str:
     """The markdown table of a ``gstar bench --json`` file: a line naming the mode, the timing, the card and
     the versions, then one row per case and one column per implementation (median ms; ``(wrong)`` for a row
-    that missed the correctness bar, ``n/a`` for one not measured, ``-`` for one not run)."""
+    that missed the correctness bar, ``n/a`` for one not measured, ``-`` for one not run), and a last column
+    with the case's floor when the run knew the card's roofline."""
     env = data["environment"]
     impls = list(dict.fromkeys(r["impl"] for r in data["rows"]))
     cases: dict[str, dict] = {}
     for r in data["rows"]:
         cases.setdefault(r["case"]["label"], {})[r["impl"]] = r
+    floors = any(r.get("memory_floor_ms") is not None for r in data["rows"])
     graphs = ", CUDA graph replays" if env.get("timing") == "graph" else ""
     partial = " (a run cut short)" if data.get("complete") is False else ""
+    columns = impls + (["floor"] if floors else [])
     lines = [f"{data['mode']}{graphs}, ms (median), {env.get('card')}, torch {env.get('torch')}, "
              f"triton {env.get('triton')}{partial}:", "",
-             "| case | " + " | ".join(impls) + " |", "|---" * (len(impls) + 1) + "|"]
-    lines += [f"| {label} | " + " | ".join(_cell(rows.get(i)) for i in impls) + " |" for label, rows in cases.items()]
+             "| case | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for label, rows in cases.items():
+        cells = [_cell(rows.get(i)) for i in impls] + ([_floor(rows)] if floors else [])
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

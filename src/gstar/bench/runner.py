@@ -32,13 +32,18 @@ def _layout(layout: str, case: Case, device: torch.device):
     return (lambda t: t.detach()), (lambda t: t), (lambda x: x)  # the case's own layout
 
 
-def _leaves(inputs: dict, layout, grads: bool):
+def _leaves(inputs: dict, layout, grads: bool, paged: bool = False):
     """``(leaves, views, dout_view)``: tensors gradients are taken for (q, k, v in the peer's layout, then
-    ``sinks`` if any), the views the implementation receives, and the upstream gradient as a view.
+    ``sinks`` if any), the views the implementation receives, and the upstream gradient as a view. A paged
+    cache's pools (``k_pages``, ``v_pages``) take the place of k and v as they are, in every peer's layout.
     """
     leaf, view, _ = layout
-    leaves = [leaf(inputs[name]).requires_grad_(grads) for name in ("q", "k", "v")]
-    views = [view(t) for t in leaves]
+    leaves = [leaf(inputs["q"]).requires_grad_(grads)]
+    views = [view(leaves[0])]
+    for name in ("k", "v"):
+        t = inputs[f"{name}_pages"] if paged else leaf(inputs[name]).requires_grad_(grads)
+        leaves.append(t)
+        views.append(t if paged else view(t))
     sinks = inputs["sinks"]
     if sinks is not None:
         sinks = sinks.clone().requires_grad_(grads)
@@ -90,7 +95,8 @@ def run_row(peer: Peer, case: Case, mode: str, inputs: dict, ref: dict, pt: dict
     """Check ``peer`` on ``case`` against ``ref`` (with the bar's baseline ``pt``), then time it in ``mode``:
     ``timing="eager"`` calls it from Python, ``"graph"`` (CUDA only) replays it from a CUDA graph, so that
     host time drops out (an implementation that cannot be captured shows as n/a)."""
-    reason = (peer.unavailable(device) or peer.unsupported(case, device, mode)
+    reason = (("a decode step is forward only" if case.decode and mode != "fwd" else None)
+              or peer.unavailable(device) or peer.unsupported(case, device, mode)
               or (peer.uncapturable(case, device, mode) if timing == "graph" else None))
     if reason:
         return _row(peer, case, "n/a", reason)
@@ -99,7 +105,7 @@ def run_row(peer: Peer, case: Case, mode: str, inputs: dict, ref: dict, pt: dict
         fn = peer.build(case, device)
         layout = _layout(peer.layout, case, device)
         view, back = layout[1], layout[2]
-        leaves, views, dout_view = _leaves(inputs, layout, grads)
+        leaves, views, dout_view = _leaves(inputs, layout, grads, case.paged)
 
         def forward():
             return fn(*views)

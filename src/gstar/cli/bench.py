@@ -1,14 +1,17 @@
 """``gstar bench``: gstar against its peers, same inputs, same process, checked before timed.
 
-Suites (docs/design.md section 5): ``gpt-oss``, ``long``, ``fa``, ``stages``, ``varlen``, ``all``; or one custom
-case per ``--seqlen`` from the shape flags. Implementations: gstar, eager (Hugging Face GPT-OSS style), SDPA
-flash and cuDNN, compiled FlexAttention, and FlashAttention-4 / fla when importable; the ``varlen`` suite
-compares gstar on packed documents with gstar on the same documents padded into a batch. Every row is checked
-against the naive oracle with the correctness bar before it is timed; a peer that cannot express a case
-shows as ``n/a (reason)``. Times are of calls made from Python (host time included), or with ``--timing
-graph`` of replays of each call captured in a CUDA graph (the kernels alone). On a CPU-only machine gstar
-runs its tiled PyTorch path (the suites at reduced shapes); kernel timings need a GPU. ``--table`` prints
-the markdown tables of saved ``--json`` results instead of running anything.
+Suites (docs/design.md section 5): ``gpt-oss``, ``long``, ``fa``, ``mla``, ``stages``, ``varlen``, ``all``,
+``decode``; or one custom case per ``--seqlen`` from the shape flags. Implementations: gstar, eager (Hugging
+Face GPT-OSS style), SDPA flash and cuDNN, compiled FlexAttention, and FlashAttention-4 / fla when importable;
+the ``varlen`` suite compares gstar on packed documents with gstar on the same documents padded into a batch;
+the ``decode`` suite (forward only) times decode steps against a cache, gstar's kvcache entry point beside its
+prefill kernel (``gstar-prefill``). Every row is checked against the naive oracle with the correctness bar
+before it is timed; a peer that cannot express a case shows as ``n/a (reason)``. Times are of calls made from
+Python (host time included), or with ``--timing graph`` of replays of each call captured in a CUDA graph (the
+kernels alone); the decode suite times graph replays on a GPU unless ``--timing eager`` is given, since a
+decode step's kernels take less time than the host takes to launch them. On a CPU-only machine gstar runs
+its tiled PyTorch path (the suites at reduced shapes); kernel timings need a GPU. ``--table`` prints the
+markdown tables of saved ``--json`` results instead of running anything.
 
 This module is imported while the parser is built: it must not import triton or ``gstar.kernels``.
 """
@@ -21,7 +24,7 @@ import json
 import os
 import sys
 
-from ..bench.cases import DTYPES, MODES, SUITE_NAMES
+from ..bench.cases import DTYPES, FORWARD_ONLY, MODES, SUITE_NAMES
 from ..bench.peers import PEER_NAMES
 
 _SHAPE_FLAGS = ("batch", "heads", "kv_heads", "seqlen", "head_dim", "value_dim", "window", "sink_tokens", "sinks",
@@ -42,14 +45,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suite", choices=SUITE_NAMES, default="gpt-oss",
                         help="reference shapes of docs/design.md section 5 (default: gpt-oss); varlen: gstar on "
                              "16 packed documents (16384 tokens, GPT-OSS heads) against the same documents padded "
-                             "into a batch")
+                             "into a batch; decode (forward only, graph-timed by default): GPT-OSS decode steps "
+                             "against contiguous and paged caches; all: every suite but decode")
     parser.add_argument("--mode", choices=MODES, default="fwd",
                         help="time the forward, the backward alone, or both (default: fwd)")
-    parser.add_argument("--timing", choices=("eager", "graph"), default="eager",
-                        help="eager: time each call made from Python, host time included (default); graph "
-                             "(GPU): time replays of the call captured in a CUDA graph, the kernels alone; an "
-                             "implementation that cannot be captured is n/a, and PyTorch keeps a failed "
-                             "capture's memory, so later rows may find less free memory")
+    parser.add_argument("--timing", choices=("eager", "graph"),
+                        help="eager: time each call made from Python, host time included (the default, but for "
+                             "the decode suite on a GPU); graph (GPU): time replays of the call captured in a CUDA "
+                             "graph, the kernels alone; an implementation that cannot be captured is n/a, and "
+                             "PyTorch keeps a failed capture's memory, so later rows may find less free memory")
     parser.add_argument("--impls", type=_impl_list, default=list(PEER_NAMES), metavar="A,B,...",
                         help=f"comma-separated subset of: {', '.join(PEER_NAMES)} (default: all)")
     shape = parser.add_argument_group("custom shape (any of these replaces the suite by one case per --seqlen)")
@@ -82,6 +86,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _custom(args) -> bool:
     """Whether shape flags replace the suite."""
     return any(getattr(args, f) is not None for f in _SHAPE_FLAGS)
+
+
+def timing_of(args, cuda: bool) -> str:
+    """``--timing``, or its default: graph replays for the decode suite on a GPU (a decode step's kernels take
+    microseconds, less than the host needs to launch them, so eager calls would time the host), else eager."""
+    if args.timing:
+        return args.timing
+    return "graph" if cuda and args.suite in FORWARD_ONLY and not _custom(args) else "eager"
 
 
 def cases_from_args(args, device_type: str):
@@ -182,8 +194,13 @@ def run(args) -> int:
     console = Console(stderr=True, soft_wrap=True)
     device = torch.device("cuda" if cuda else "cpu")
     reduced = not cuda and not _custom(args)  # the suite shrunk for a CPU (bench.cases.for_cpu)
-    if args.timing == "graph" and not cuda:
+    timing = timing_of(args, cuda)
+    if timing == "graph" and not cuda:
         console.print("[red]gstar bench: --timing graph replays CUDA graphs and needs a GPU")
+        return 2
+    if args.suite in FORWARD_ONLY and not _custom(args) and args.mode != "fwd":
+        console.print(f"[red]gstar bench: the {args.suite} suite is forward only (flash_attention_with_kvcache has "
+                      "no backward): --mode fwd")
         return 2
     try:
         cases = cases_from_args(args, device.type)
@@ -198,7 +215,7 @@ def run(args) -> int:
             return 2
     chosen = [p for p in peer_mod.all_peers() if p.name in args.impls]
     env = report.environment(device, modules=[p.module for p in chosen])
-    env["timing"] = args.timing
+    env["timing"] = timing
     if cuda:
         console.print(escape(f"gstar bench on {env['card']} (driver {env['driver']}, CUDA {env['cuda']}, "
                              f"torch {env['torch']}, triton {env['triton']})"))
@@ -236,7 +253,7 @@ def run(args) -> int:
             for peer in (p for p in chosen if p.applies(case)):
                 progress.update(task, description=f"{case.label}: {peer.name}")
                 row = (not_measured(peer, case, missing) if missing
-                       else run_row(peer, case, args.mode, inputs, ref, pt, device, args.timing))
+                       else run_row(peer, case, args.mode, inputs, ref, pt, device, timing))
                 if card and row["time_ms"]:
                     _add_floors(row, case, args.mode, card)
                 rows.append(row)
@@ -254,7 +271,7 @@ def run(args) -> int:
             if args.json:
                 save_json(complete=False)
     add_ratios(rows)
-    _table(rows, args.mode, args.timing, Console(width=None if sys.stdout.isatty() else 200))
+    _table(rows, args.mode, timing, Console(width=None if sys.stdout.isatty() else 200))
     if args.json:
         save_json(complete=True)
     if args.csv:
