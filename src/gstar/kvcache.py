@@ -62,6 +62,18 @@ class Cache:
         return tuple(out)
 
 
+def _check_per_sequence(name: str, t, ndim: int, q):
+    """An int32 tensor on q's device with one entry (or row) per sequence of q's batch."""
+    _check_tensor(name, t, ndim)
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype torch.int32, got {t.dtype}")
+    if t.device != q.device:
+        raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    if t.shape[0] != q.shape[0]:
+        raise ValueError(f"{name} must have one entry per sequence ({q.shape[0]}) on dim 0, got shape "
+                         f"{tuple(t.shape)}")
+
+
 def _check_cache(q, k_cache, v_cache, block_table) -> Cache:
     B = q.shape[0]
     if block_table is None:
@@ -81,13 +93,7 @@ def _check_cache(q, k_cache, v_cache, block_table) -> Cache:
         raise ValueError(f"a paged k_cache and v_cache must have the same (num_blocks, block_size, Hkv): "
                          f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
     _check_group(q, k_cache.transpose(1, 2), v_cache.transpose(1, 2))
-    _check_tensor("block_table", block_table, 2)
-    if block_table.dtype != torch.int32:
-        raise TypeError(f"block_table must have dtype torch.int32, got {block_table.dtype}")
-    if block_table.device != q.device:
-        raise ValueError(f"block_table must be on q's device {q.device}, got {block_table.device}")
-    if block_table.shape[0] != B:
-        raise ValueError(f"block_table must have one row per sequence ({B}), got shape {tuple(block_table.shape)}")
+    _check_per_sequence("block_table", block_table, 2, q)
     block_size = k_cache.shape[1]
     if block_size == 0 or block_size % PAGE_MULTIPLE:
         raise ValueError(f"the paged cache's block size (k_cache.shape[1]) must be a positive multiple of "
@@ -114,19 +120,11 @@ def _check_new(q, cache: Cache, k, v):
 
 
 def _check_seqlens(q, cache: Cache, cache_seqlens, appending: bool):
-    B = q.shape[0]
     if cache_seqlens is None:
         if appending:
             raise ValueError("appending k, v needs cache_seqlens: the position to write them at")
         return None
-    _check_tensor("cache_seqlens", cache_seqlens, 1)
-    if cache_seqlens.dtype != torch.int32:
-        raise TypeError(f"cache_seqlens must have dtype torch.int32, got {cache_seqlens.dtype}")
-    if cache_seqlens.device != q.device:
-        raise ValueError(f"cache_seqlens must be on q's device {q.device}, got {cache_seqlens.device}")
-    if cache_seqlens.shape[0] != B:
-        raise ValueError(f"cache_seqlens must have one length per sequence ({B}), got shape "
-                         f"{tuple(cache_seqlens.shape)}")
+    _check_per_sequence("cache_seqlens", cache_seqlens, 1, q)
     return cache_seqlens
 
 
