@@ -271,6 +271,8 @@ def test_attention_function_static_cache_lengths_and_cross_attention():
     out, _ = gstar_attention_forward(torch.nn.Module(), q, k, v, filled, sliding_window=4, scaling=0.3)
     ref, _ = naive_attention(q, k[:, :, :7], v[:, :, :7], causal=True, window=(3, 0), scale=0.3)
     assert max_error(out, ref.transpose(1, 2)) <= 1e-12
+    with pytest.raises(ValueError, match="one filled length"):
+        gstar_attention_forward(torch.nn.Module(), q, k, v, torch.tensor([7, 6], dtype=torch.int32))
     # more keys than the queries reach is also cross-attention: a non-causal layer attends to every key
     module = torch.nn.Module()
     module.is_causal = False

@@ -140,8 +140,12 @@ def _padded(q, k, v, mask, **opts):
 def _cached(q, k, v, filled, **opts):
     """Static cache: q (B, Hq, Nq, D) against the cache's buffers k (B, Hkv, Nmax, D), v (B, Hkv, Nmax, Dv), of
     which the first ``filled`` slots (B,) are written (equal for every row: the static cache's one offset, see
-    :func:`gstar_mask`), its queries the last Nq of those -> (B, Nq, Hq, Dv). One host read of the length."""
-    n = int(filled[0])
+    :func:`gstar_mask`), its queries the last Nq of those -> (B, Nq, Hq, Dv). One host read of the lengths."""
+    lengths = set(filled.tolist())
+    if len(lengths) != 1:
+        raise ValueError(f"gstar attention takes one filled length for every row of a static cache, got "
+                         f"{sorted(lengths)}: pad the batch (left padding) instead")
+    n = lengths.pop()
     return _rows_first(flash_attention(q, k[:, :, :n], v[:, :, :n], **opts))
 
 
