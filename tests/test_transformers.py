@@ -271,6 +271,11 @@ def test_attention_function_static_cache_lengths_and_cross_attention():
     out, _ = gstar_attention_forward(torch.nn.Module(), q, k, v, filled, sliding_window=4, scaling=0.3)
     ref, _ = naive_attention(q, k[:, :, :7], v[:, :, :7], causal=True, window=(3, 0), scale=0.3)
     assert max_error(out, ref.transpose(1, 2)) <= 1e-12
+    # rows of different lengths (the kvcache path takes one per row)
+    ragged = torch.tensor([7, 6], dtype=torch.int32)
+    out, _ = gstar_attention_forward(torch.nn.Module(), q, k, v, ragged, scaling=0.3)
+    ref, _ = naive_attention(q[1:], k[1:, :, :6], v[1:, :, :6], causal=True, scale=0.3)
+    assert max_error(out[1:], ref.transpose(1, 2)) <= 1e-12
     # more keys than the queries reach is also cross-attention: a non-causal layer attends to every key
     module = torch.nn.Module()
     module.is_causal = False
