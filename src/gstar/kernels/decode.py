@@ -25,12 +25,10 @@ import triton.language as tl
 
 from ..pattern import Pattern, cdiv
 from .configs import dot_precision, pad_head_dim
-from .forward import _softmax_step
+from .forward import _softmax_step, finish_state, start_state
 from .launch import constexprs, launch
 from .ranges import kv_range
 
-_LOG2E = tl.constexpr(math.log2(math.e))
-_LN2 = tl.constexpr(math.log(2.0))
 _ALL_ROWS = tl.constexpr(2**30)  # kv_range's tile height: the union of every query row's keys
 MAX_TILE_ROWS = 128  # stacked rows (group x queries) a program holds; more take further row tiles
 MAX_SPLITS = 64
@@ -88,13 +86,11 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse,
     q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=real[:, None] & (offs_d[None, :] < HEAD_DIM),
                 other=0.0)  # (BLOCK_R, D_PAD)
 
-    acc = tl.zeros([BLOCK_R, DV_PAD], dtype=tl.float32)
-    if (Sinks is not None) and not SPLIT:
-        m_i = tl.load(Sinks + heads) * _LOG2E  # exp2(m) * l = exp(sink): the sink starts the sum
-        l_i = tl.zeros([BLOCK_R], dtype=tl.float32) + 1.0
+    # the learned sink joins a row's sum once: here with one split, in _combine with several
+    if SPLIT:
+        acc, m_i, l_i = start_state(None, heads, VALUE_DIM)
     else:
-        m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+        acc, m_i, l_i = start_state(Sinks, heads, VALUE_DIM)
 
     sink_end, band_start, _, _, band_end = kv_range(0, nq, nk, left, right, sink_tokens, _ALL_ROWS, BLOCK_N,
                                                     HAS_LEFT, HAS_RIGHT)
@@ -116,11 +112,7 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse,
                     mask=key_ok[:, None] & (offs_dv[None, :] < VALUE_DIM), other=0.0)  # (BLOCK_N, DV_PAD)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
 
-    # rows that saw no key (and no sink) have l = 0 and acc = 0: divide by 1 to store exact zeros
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]  # (BLOCK_R, DV_PAD)
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * _LN2)  # (BLOCK_R,) natural log
+    out, lse = finish_state(acc, m_i, l_i)  # (BLOCK_R, DV_PAD), (BLOCK_R,)
     value_ok = real[:, None] & (offs_dv[None, :] < VALUE_DIM)
     if SPLIT:
         o_rows = b * stride_o[0] + heads * stride_o[1] + split * stride_o[2] + rows * stride_o[3]

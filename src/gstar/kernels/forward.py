@@ -132,13 +132,21 @@ def _start_rows(Q, Sinks, offs, h0, row_start, q_start, b, stride_q, Nq, ROWS: t
                 HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr):
     """Load the Q rows ``offs`` (R,) of the tile and start their softmax state: returns
     ``(q, rows, acc, m_i, l_i)`` as :func:`_attend_blocks` takes them (acc: (R, DV_PAD))."""
-    R: tl.constexpr = offs.shape[0]
     D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
     offs_d = tl.arange(0, D_PAD)
     heads, rows, row_ok, tokens = tile_rows(offs, h0, row_start, q_start, Nq, ROWS)
     q_rows = b * stride_q[0] + heads.to(tl.int64) * stride_q[1] + tokens * stride_q[2]  # (R,)
     q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
                 other=0.0)  # (R, D_PAD)
+    acc, m_i, l_i = start_state(Sinks, heads, VALUE_DIM)
+    return q, rows, acc, m_i, l_i
+
+
+@triton.jit
+def start_state(Sinks, heads, VALUE_DIM: tl.constexpr):
+    """The softmax state of rows of query heads ``heads`` (R,) before any key: ``(acc, m_i, l_i)``, acc (R,
+    DV_PAD) zeros; with learned sinks (Sinks: (Hq,) float32) the sink is already in the sum."""
+    R: tl.constexpr = heads.shape[0]
     acc = tl.zeros([R, pad_head_dim(VALUE_DIM)], dtype=tl.float32)
     if Sinks is not None:
         # exp2(m) * l = exp(sink): the sink is already in the sum, with no value to carry
@@ -147,7 +155,16 @@ def _start_rows(Q, Sinks, offs, h0, row_start, q_start, b, stride_q, Nq, ROWS: t
     else:
         m_i = tl.full([R], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([R], dtype=tl.float32)
-    return q, rows, acc, m_i, l_i
+    return acc, m_i, l_i
+
+
+@triton.jit
+def finish_state(acc, m_i, l_i):
+    """``(out, lse)`` of rows' softmax state: out (R, DV_PAD) float32, the natural-log LSE (R,). Rows that saw
+    no key (and no sink) have l = 0 and acc = 0: divided by 1, they give exact zeros and LSE -inf."""
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    return acc / l_safe[:, None], tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * _LN2)
 
 
 @triton.jit
@@ -157,11 +174,8 @@ def _finish_rows(Out, Lse, acc, m_i, l_i, offs, h0, row_start, q_start, b, strid
     natural-log LSE."""
     offs_d = tl.arange(0, pad_head_dim(VALUE_DIM))
     heads, rows, row_ok, tokens = tile_rows(offs, h0, row_start, q_start, Nq, ROWS)
-    # rows that saw no key (and no sink) have l = 0 and acc = 0: divide by 1 to store exact zeros
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    out = (acc / l_safe[:, None]).to(Out.dtype.element_ty)  # (R, DV_PAD)
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * _LN2)  # (R,) natural log
+    out, lse = finish_state(acc, m_i, l_i)  # (R, DV_PAD), (R,)
+    out = out.to(Out.dtype.element_ty)
     o_rows = b * stride_o[0] + heads.to(tl.int64) * stride_o[1] + tokens * stride_o[2]  # (R,)
     tl.store(Out + o_rows[:, None] + offs_d[None, :], out, mask=row_ok[:, None] & (offs_d[None, :] < VALUE_DIM))
     tl.store(Lse + b * stride_lse[0] + heads.to(tl.int64) * stride_lse[1] + tokens, lse, mask=row_ok)
