@@ -136,7 +136,10 @@ class Group(NamedTuple):
     pattern: Pattern
     calls: tuple[Call, ...]
     cut: Callable             # cut(t): the group's rows of a (B, H, n, ...) tensor of the shard (a view)
-    batched: bool
+
+    @property
+    def batched(self) -> bool:
+        return len(self.calls) > 1
 
 
 def _groups(calls: tuple[Call, ...], batch: int, n_local: int) -> list[Group]:
@@ -144,8 +147,8 @@ def _groups(calls: tuple[Call, ...], batch: int, n_local: int) -> list[Group]:
     if (batch == 1 and len(calls) == 2 and calls[1].pattern == first.pattern
             and calls[1].rows.start - first.rows.start == n_local // 2):
         rows = slice(first.rows.start, first.rows.stop)                    # the rows within each chunk
-        return [Group(first.pattern, calls, lambda t: _as_batch(t)[:, :, rows], True)]
-    return [Group(c.pattern, (c,), lambda t, rows=c.rows: t[:, :, rows], False) for c in calls]
+        return [Group(first.pattern, calls, lambda t: _as_batch(t)[:, :, rows])]
+    return [Group(c.pattern, (c,), lambda t, rows=c.rows: t[:, :, rows]) for c in calls]
 
 
 def _joined_groups(groups: list[Group], results: list[torch.Tensor]) -> torch.Tensor:
