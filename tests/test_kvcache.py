@@ -122,6 +122,31 @@ def test_triton_kernel(layout, pattern, learned_sinks, nq, splits):
     assert relative_error(lse, ref_lse) < FLOAT32
 
 
+GPU_SPLITS = {"nq1-auto": (1, None), "nq1-split3": (1, 3), "nq3-split7": (3, 7), "nq16-split16": (16, 16)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("layout, pattern, learned_sinks, nq, splits, dtype", grid(
+    LAYOUTS, PATTERNS, GPU_SPLITS, {"bf16": (torch.bfloat16,), "fp16": (torch.float16,)}))
+def test_gpu_triton_kernel(layout, pattern, learned_sinks, nq, splits, dtype):
+    """The compiled kernel on the grid, appending, longer ragged caches: output within 2x PyTorch's error in
+    the same dtype, the LSE within the float32 bar."""
+    from gstar.accuracy import verdict
+
+    q, k_cache, v_cache, kwargs, keys, values = make_case(
+        block_size=layout, nq=nq, pattern=pattern, learned_sinks=learned_sinks, append=True, dtype=dtype,
+        heads=(6, 2), lengths=(437, 0, 1061), dim=64, value_dim=64, device="cuda")
+    out, lse = gstar.flash_attention_with_kvcache(q, k_cache, v_cache, return_lse=True, num_splits=splits,
+                                                  **kwargs)
+    ref_out, ref_lse = oracle(q, keys, values, _pattern_of(kwargs), kwargs["sinks"])
+    pt = torch.cat([gstar.naive_attention(q[b:b + 1], kk, vv, sinks=kwargs["sinks"], **_pattern_of(kwargs))[0]
+                    for b, (kk, vv) in enumerate(zip(keys, values))])  # PyTorch in the same dtype
+    check = verdict("out", out, ref_out, pt)
+    assert check.ok, check
+    assert relative_error(lse, ref_lse) < FLOAT32
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 def test_triton_value_dim_and_row_tiles(dtype):
     """A value head dim other than q's, and more stacked rows (group x queries) than one tile holds."""
