@@ -18,6 +18,7 @@ programs (split-KV) and merges their partial results by LSE; elsewhere the PyTor
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import torch
@@ -128,6 +129,11 @@ def _check_seqlens(q, cache: Cache, cache_seqlens, appending: bool):
     return cache_seqlens
 
 
+def _patterns(nq: int, causal: bool, window: tuple[int, int], sink_tokens: int):
+    """The rule at each sequence's length: ``nk -> Pattern`` (the queries are the last ``nq`` positions)."""
+    return functools.partial(Pattern.make, nq, causal=causal, window=window, sink_tokens=sink_tokens)
+
+
 def _pages(pattern: Pattern, block_size: int) -> list[int]:
     """Block indices (along the sequence) holding keys some query of ``pattern`` sees: the sink-token blocks
     and the window's band."""
@@ -235,21 +241,41 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_s
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     _check_bool("check_values", check_values)
     Nq = q.shape[2]
-
-    def patterns(nk: int) -> Pattern:
-        return Pattern.make(Nq, nk, causal=causal, window=window, sink_tokens=sink_tokens)
-
+    patterns = _patterns(Nq, causal, window, sink_tokens)
     if check_values and not (torch.compiler.is_compiling() or _capturing(q.device)):
         check_cache_values(q, cache, cache_seqlens, appending, patterns)
     if appending:
         append(cache, k, v, cache_seqlens)
-    added = Nq if appending else 0
+    args = (q, cache.k, cache.v, cache.block_table, cache_seqlens, sinks, Nq if appending else 0, causal, *window,
+            sink_tokens, scale, num_splits or 0, backend)
+    out, lse = decode_op(*args) if torch.compiler.is_compiling() else _attend(*args)
+    return (out, lse) if return_lse else out
+
+
+def _attend(q, k_cache, v_cache, block_table, cache_seqlens, sinks, added, causal, left, right, sink_tokens, scale,
+            num_splits, backend):
+    """``(out, lse)`` on validated inputs, the cache already appended to (``added`` keys this call); flat
+    arguments, those of the operator below (``num_splits`` 0: picked by the rule)."""
+    cache, patterns = Cache(k_cache, v_cache, block_table), _patterns(q.shape[2], causal, (left, right), sink_tokens)
     if backend == "torch":
         lengths = ([n + added for n in cache_seqlens.tolist()] if cache_seqlens is not None
                    else [cache.capacity] * q.shape[0])
-        out, lse = _torch_path(q, cache, lengths, sinks, patterns, scale)
-    else:
-        from .kernels.decode import decode_forward
-        out, lse = decode_forward(q, cache, cache_seqlens, added, None if sinks is None else sinks.float(),
-                                  patterns(cache.capacity), scale, num_splits)
-    return (out, lse) if return_lse else out
+        return _torch_path(q, cache, lengths, sinks, patterns, scale)
+    from .kernels.decode import decode_forward
+    return decode_forward(q, cache, cache_seqlens, added, None if sinks is None else sinks.float(),
+                          patterns(cache.capacity), scale, num_splits or None)
+
+
+# torch.compile traces this operator in place of _attend (eager calls skip the dispatcher's host time): the
+# plan, the lengths read by the PyTorch path and the launches stay out of the graph (ops.py says why).
+decode_op = torch.library.custom_op(
+    "gstar::decode", _attend, mutates_args=(),
+    schema="(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? block_table, Tensor? cache_seqlens, Tensor? sinks, "
+           "SymInt added, bool causal, SymInt left, SymInt right, SymInt sink_tokens, float scale, SymInt num_splits, "
+           "str backend) -> (Tensor, Tensor)")
+
+
+@decode_op.register_fake
+def _(q, k_cache, v_cache, *rest):
+    B, Hq, nq, _ = q.shape
+    return q.new_empty((B, Hq, nq, v_cache.shape[-1])), q.new_empty((B, Hq, nq), dtype=ops.stat_dtype(q.dtype))
