@@ -301,7 +301,7 @@ def test_transformers_latent_attention_matches_eager(monkeypatch):
 def test_config_fits_the_mean_padded_width(monkeypatch):
     """Tiles are chosen for the mean of the padded D and Dv: (64, 320) takes the short tiles of width 512,
     (576, 512) those of 1024, (128, 64) keeps D = 128's, and (192, 128) its own measured row."""
-    monkeypatch.setattr(configs, "_major", lambda device: 9)
+    monkeypatch.setattr(configs, "capability_major", lambda device: 9)
     pattern = Pattern.make(4096, 4096, causal=True)
     for (D, Dv), same in (((64, 320), 512), ((576, 512), 1024), ((128, 64), 128)):
         assert (configs.forward_config(D, torch.bfloat16, pattern, "cuda", value_dim=Dv)

@@ -80,7 +80,7 @@ def width(head_dim: int, value_dim: int | None = None) -> int:
 
 
 @functools.lru_cache(maxsize=16)
-def _major(device: torch.device) -> int:
+def capability_major(device: torch.device) -> int:
     """The compute capability's major version (9: Hopper), asked once per device: every call's config
     reads it, and torch's query costs microseconds of host time that small shapes feel."""
     return torch.cuda.get_device_capability(device)[0]
@@ -102,7 +102,7 @@ def forward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device, 
     block_m, block_n, num_warps, num_stages, halves = next(row[1:] for row in table if head_dim <= row[0])
     band = _band_width(pattern)
     narrow = band is not None and band <= _NARROW_WINDOW
-    major = _major(torch.device(device))
+    major = capability_major(torch.device(device))
     # a head's rows of a tile need not outnumber the queries: decode (Nq = 1) packs a whole group
     min_rows = min(_PACK_MIN_ROWS, next_power_of_2(pattern.nq))
     if halves and (major < 9 or pattern.nq < block_m):
@@ -254,7 +254,7 @@ def backward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device,
         dq, dq_pack = _DQ_NARROW_PACKED, _DQ_NARROW_PACK
     work = batch_heads * pattern.nq * min(pattern.nk, (band or pattern.nk) + pattern.sink_tokens) * d_pad
     # descriptors need Hopper's copy engine, and enough work to hide their host cost
-    tma = _major(torch.device(device)) >= 9 and work >= _DESCRIPTOR_MIN_WORK
+    tma = capability_major(torch.device(device)) >= 9 and work >= _DESCRIPTOR_MIN_WORK
     return BackwardConfig(dkdv[0], dkdv[1], dq[0], dq[1], dkdv_warps=dkdv[2], dkdv_stages=dkdv[3],
                           dq_warps=dq[2], dq_stages=dq[3], flat=narrow, dkdv_tma=dkdv[4] and tma,
                           dq_tma=dq[4] and tma, dq_pack=dq_pack,

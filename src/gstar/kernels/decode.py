@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..pattern import Pattern, cdiv
-from .configs import dot_precision, pad_head_dim
+from .configs import capability_major, dot_precision, pad_head_dim
 from .forward import _softmax_step, finish_state, start_state
 from .launch import constexprs, launch
 from .ranges import kv_range
@@ -32,6 +32,7 @@ from .ranges import kv_range
 _ALL_ROWS = tl.constexpr(2**30)  # kv_range's tile height: the union of every query row's keys
 MAX_TILE_ROWS = 128  # stacked rows (group x queries) a program holds; more take further row tiles
 MAX_SPLITS = 64
+SPLIT_TILES = 32  # tiles of keys one split walks at most (while MAX_SPLITS allows)
 
 
 @triton.jit
@@ -177,10 +178,13 @@ def tile_rows(stacked: int, width: int) -> int:
 
 
 def default_splits(programs: int, visible_blocks: int, device: torch.device) -> int:
-    """Splits per (sequence, kv head): enough programs for two per SM, each with at least four tiles of
-    keys (a provisional rule: it sees only the shapes and the card, never the lengths)."""
+    """Splits per (sequence, kv head): at most ``SPLIT_TILES`` tiles of keys a split, and enough programs for
+    two per SM where every split still gets four tiles. It sees the shapes and the card, never the lengths:
+    a ragged batch is split by its capacity, which keeps its longest sequences from setting the time
+    (benchmarks/NOTES.md, 'Decoding: splits and pipeline depth')."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    return max(1, min(cdiv(2 * sms, programs), cdiv(visible_blocks, 4), MAX_SPLITS))
+    fill = min(cdiv(2 * sms, programs), cdiv(visible_blocks, 4))
+    return max(1, min(max(fill, cdiv(visible_blocks, SPLIT_TILES)), MAX_SPLITS))
 
 
 @functools.lru_cache(maxsize=256)
@@ -196,12 +200,13 @@ def _decode_plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: boo
     if pattern.left >= 0:  # a window's band and the sink tokens, whatever the length
         visible = min(capacity, pattern.left + nq + pattern.sink_tokens + 2 * block_n)
     splits = num_splits or default_splits(B * Hkv * row_tiles, cdiv(visible, block_n), device)
+    stages = 3 if device.type == "cuda" and capability_major(device) >= 9 else 2  # Hopper: three tiles in flight
     return _DecodePlan(
         (splits, Hkv * row_tiles, B), splits,
         constexprs(HEAD_DIM=D, VALUE_DIM=Dv, BLOCK_R=block_r, BLOCK_N=block_n, PAGED=paged, SPLIT=splits > 1,
                    HAS_LEFT=pattern.left >= 0, HAS_RIGHT=pattern.right >= 0,
                    HAS_SINK_TOKENS=pattern.left >= 0 and pattern.sink_tokens > 0, PRECISION=precision,
-                   num_warps=4, num_stages=2))
+                   num_warps=4, num_stages=stages))
 
 
 def decode_forward(q, cache, cache_seqlens, added: int, sinks, pattern: Pattern, scale: float,
