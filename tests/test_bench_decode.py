@@ -268,6 +268,18 @@ def test_markdown_table_prints_the_floor():
                          "| B1 N8192 | 0.010 | n/a | 0.0035 (memory) |"]
 
 
+def test_decode_plot_draws_time_per_case(tmp_path):
+    """Decode rows plot as bars per case with the memory floor (their batches differ, so no length axis)."""
+    pytest.importorskip("matplotlib")
+    from gstar.bench.report import plot
+    row = {"case": {"label": "B1 N8192", "family": "decode", "seqlen": 8192}, "series": "s", "impl": "gstar",
+           "status": "ok", "time_ms": 0.01, "tflops": 1.0, "memory_floor_ms": 0.0035}
+    rows = [row, dict(row, impl="flex", time_ms=0.02), dict(row, case=dict(row["case"], label="B8 N64"))]
+    png = tmp_path / "decode.png"
+    plot(str(png), rows, {"card": "NVIDIA H200", "torch": "2.11", "triton": "3.6", "timing": "graph"}, "fwd")
+    assert png.stat().st_size > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("timing", ["graph", "eager"])
 def test_gpu_decode_peers_agree_with_the_oracle(monkeypatch, tmp_path, timing):

@@ -532,6 +532,26 @@ def test_table_option_reads_saved_results(tmp_path, capsys):
     assert "bad.json" in capsys.readouterr().err
 
 
+def test_table_merges_a_run_split_by_impls(tmp_path, capsys):
+    """Files of one suite, mode, timing and card make one table (columns in file order), and --plot with
+    --table draws their rows; another card stays a table of its own."""
+    _require("matplotlib")
+    def row(impl, ms):
+        return dict(_json_row("B1 N64", impl, "ok", ms), case={"label": "B1 N64", "seqlen": 64}, series="B1",
+                    tflops=1.0 / ms)
+
+    paths = [tmp_path / f"{n}.json" for n in "abc"]
+    paths[0].write_text(json.dumps(_bench_json([row("gstar", 1.0)], peers={})))
+    paths[1].write_text(json.dumps(_bench_json([row("fa4", 3.0)], peers={"fa4": "4.0"})))
+    paths[2].write_text(json.dumps(_bench_json([row("flex", 2.0)], card="NVIDIA H200")))
+    png = tmp_path / "p.png"
+    assert main(["bench", "--table", *map(str, paths), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "| B1 N64 | 1.000 | 3.000 |" in out and "| B1 N64 | 2.000 |" in out
+    assert out.count("| case |") == 2
+    assert png.stat().st_size > 0
+
+
 def test_cpu_race_warms_up_and_takes_turns():
     calls = []
     first = lambda: calls.append("a")  # noqa: E731

@@ -98,12 +98,32 @@ def write_csv(path: str, rows: list[dict], env: dict, mode: str) -> None:
                        + [env.get(k) for k in CSV_ENV_FIELDS])
 
 
+def merge_results(runs: list[dict]) -> list[dict]:
+    """Saved results with the runs of one suite, mode, timing and card merged (their rows in order, the
+    peers' versions joined): a run split by ``--impls`` over several processes reads as one."""
+    merged: dict[tuple, dict] = {}
+    for data in runs:
+        env = data["environment"]
+        key = (data.get("suite"), data["mode"], env.get("timing"), env.get("card"), env.get("torch"))
+        if key not in merged:
+            merged[key] = dict(data, rows=list(data["rows"]), environment=dict(env, peers=dict(env.get("peers", {}))))
+            continue
+        into = merged[key]
+        into["rows"] += data["rows"]
+        into["environment"]["peers"].update(env.get("peers", {}))
+        into["complete"] = into.get("complete", True) and data.get("complete", True)
+    return list(merged.values())
+
+
 def plot(path: str, rows: list[dict], env: dict, mode: str, metric: str = "tflops") -> None:
-    """TFLOP/s (or time) against sequence length, one subplot per case series, one line per implementation."""
+    """TFLOP/s (or time) against sequence length, one subplot per case series, one line per implementation;
+    decode steps (whose cases differ in batch as well as length) as time per case beside its memory floor."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if rows and all(r["case"].get("family") == "decode" for r in rows):
+        return _plot_decode(plt, path, rows, env)
     key = "tflops" if metric == "tflops" else "time_ms"
     series = list(dict.fromkeys(r["series"] for r in rows))
     cols = min(3, max(1, len(series)))
@@ -130,6 +150,41 @@ def plot(path: str, rows: list[dict], env: dict, mode: str, metric: str = "tflop
         ax.axis("off")
     graphs = ", CUDA graph replays" if env.get("timing") == "graph" else ""
     fig.suptitle(f"gstar bench, {mode}{graphs}: {env['card']} (torch {env['torch']}, triton {env['triton']})",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_decode(plt, path: str, rows: list[dict], env: dict) -> None:
+    """One group of bars per case (time, log scale), one bar per implementation, the memory floor a line."""
+    cases = list(dict.fromkeys(r["case"]["label"] for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    at = {(r["case"]["label"], r["impl"]): r for r in rows}
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.7 * len(cases)), 7))
+    width = 0.8 / len(impls)
+    for k, impl in enumerate(impls):
+        xs, ys = [], []
+        for i, case in enumerate(cases):
+            r = at.get((case, impl))
+            if r is not None and r["status"] == "ok" and r["time_ms"]:
+                xs.append(i - 0.4 + (k + 0.5) * width)
+                ys.append(r["time_ms"])
+        ax.bar(xs, ys, width, label=impl)
+    for i, case in enumerate(cases):
+        floor = next((r.get("memory_floor_ms") for r in rows if r["case"]["label"] == case
+                      and r.get("memory_floor_ms")), None)
+        if floor:
+            ax.hlines(floor, i - 0.45, i + 0.45, colors="black", linewidth=1.5,
+                      label="memory floor" if i == 0 else None)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(cases)))
+    ax.set_xticklabels(cases, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("time (ms, log scale)")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    graphs = ", CUDA graph replays" if env.get("timing") == "graph" else ""
+    ax.set_title(f"gstar bench, decode{graphs}: {env['card']} (torch {env['torch']}, triton {env['triton']})",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -73,13 +73,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--json", metavar="FILE", help="write rows and environment as JSON")
     out.add_argument("--csv", metavar="FILE", help="write rows as CSV")
-    out.add_argument("--plot", metavar="FILE.png", help="plot against sequence length (needs matplotlib)")
+    out.add_argument("--plot", metavar="FILE.png", help="plot against sequence length (decode: time and floor per "
+                     "case; needs matplotlib); with --table, plot the saved rows")
     out.add_argument("--plot-metric", choices=("tflops", "time"), default="tflops", help="y axis of --plot")
     out.add_argument("--roofline", metavar="FILE", help="roofline JSON of the card (default: the one "
                      "'gstar roofline' stored for this card, if any) for the memory / compute floor columns")
     out.add_argument("--table", nargs="+", metavar="FILE.json",
                      help="print the markdown tables (ms per case and implementation) of results saved with --json, "
-                          "one per file, and exit: nothing is run, no GPU needed")
+                          "one per run (files of one suite, mode, timing and card, e.g. a run split by --impls, "
+                          "make one table), and exit: nothing is run, no GPU needed")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
 
 
@@ -157,19 +159,28 @@ def _add_floors(row: dict, case, mode: str, card: dict) -> None:
                floor_pct=f["pct_of_floor"])
 
 
-def _print_tables(paths) -> int:
-    """``--table``: each file's markdown table on stdout; 2 when a file cannot be read as bench results."""
+def _print_tables(paths, plot_path: str | None = None) -> int:
+    """``--table``: the markdown tables of saved results on stdout, files of one run split by ``--impls`` (the
+    same suite, mode, timing and card) merged into one table; with ``--plot``, their rows plotted. 2 when a
+    file cannot be read as bench results."""
     from rich.console import Console
     from rich.markup import escape
 
-    from ..bench.report import markdown_table
+    from ..bench.report import markdown_table, merge_results, plot
+    runs = []
     for path in paths:
         try:
             with open(path) as f:
-                print(markdown_table(json.load(f)))
+                runs.append(json.load(f))
+            runs = merge_results(runs)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             Console(stderr=True, soft_wrap=True).print(f"[red]gstar bench --table: {escape(path)}: {escape(str(exc))}")
             return 2
+    for data in runs:
+        print(markdown_table(data))
+    if plot_path:
+        rows = [r for data in runs for r in data["rows"]]
+        plot(plot_path, rows, runs[0]["environment"], runs[0]["mode"])
     return 0
 
 
@@ -177,7 +188,7 @@ def run(args) -> int:
     """Run the benchmark (or print --table); exit status 1 when gstar itself (packed or padded) is WRONG or
     fails on some case, 2 for a usage error, else 0."""
     if args.table:
-        return _print_tables(args.table)
+        return _print_tables(args.table, args.plot)
     import torch
     cuda = torch.cuda.is_available()
     if not cuda:
