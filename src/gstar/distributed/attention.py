@@ -39,20 +39,20 @@ def _exchange(spec: Spec):
 class _ContextParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, spec: Spec):
-        out, lse = _exchange(spec).forward(q, k, v, sinks, spec)
-        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        out, lse, saved = _exchange(spec).forward(q, k, v, sinks, spec)
+        ctx.save_for_backward(q, k, v, sinks, out, lse, *saved)
         ctx.spec = spec
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, sinks, out, lse = ctx.saved_tensors
+        q, k, v, sinks, out, lse, *saved = ctx.saved_tensors
         if dout is None:  # every rank takes part in the exchanges, with or without a gradient of out
             dout = torch.zeros_like(out)
         elif dout.stride(-1) != 1:
             dout = dout.contiguous()
-        dq, dk, dv, dsinks = _exchange(ctx.spec).backward(dout, q, k, v, sinks, out, lse, dlse, ctx.spec)
+        dq, dk, dv, dsinks = _exchange(ctx.spec).backward(dout, q, k, v, sinks, out, lse, dlse, saved, ctx.spec)
         return dq, dk, dv, None if sinks is None else dsinks.to(sinks.dtype), None
 
 

@@ -16,8 +16,9 @@ Query row ``i`` of the halo call (global ``start + i``) sees halo key ``j`` (glo
 ``j >= i + start - left - a``; bottom-right alignment puts it at ``p(i) = i + (start - a) - L``, so that is
 ``window=(left - L, unbounded)``. Learned sinks enter the own call only, so each row's denominator gets them once.
 
-The backward fetches the same keys again, runs each call's backward with the merged out and LSE, adds the
-halo and sink calls' dQ into their rows, and returns their dK/dV pieces to the ranks that hold those keys.
+The backward keeps the fetched keys (``left`` a chunk, and the sink tokens), runs each call's backward with
+the merged out and LSE, adds the halo and sink calls' dQ into their rows, and returns their dK/dV pieces to the
+ranks that hold those keys: one exchange each way.
 """
 
 from __future__ import annotations
@@ -205,7 +206,8 @@ def _add(rows: torch.Tensor, part: torch.Tensor) -> None:
 
 
 def forward(q, k, v, sinks, spec):
-    """As :func:`gstar.distributed.ring.forward`, for ``window=(left, 0)`` with ``left >= 0``."""
+    """As :func:`gstar.distributed.ring.forward`, for ``window=(left, 0)`` with ``left >= 0``; the saved
+    tensors are the fetched groups' keys and values (``left`` keys a chunk, for the backward)."""
     p, batch = _plan(spec), q.shape[0]
     own = _groups(p.own, batch, spec.n_local)
     results = [ops.run_forward(ops.Inputs(g.cut(q), g.cut(k), g.cut(v), sinks, None, None),
@@ -221,11 +223,12 @@ def forward(q, k, v, sinks, spec):
         rows = g.cut(out).to(lse.dtype)                                     # (B, Hq, rows, Dv)
         merge(rows, g.cut(lse), part_out, part_lse)
         g.cut(out).copy_(rows)
-    return out, lse
+    return out, lse, (*keys, *values)
 
 
-def backward(dout, q, k, v, sinks, out, lse, dlse, spec):
-    """As :func:`gstar.distributed.ring.backward`: the fetched calls' dK/dV pieces go back to their ranks.
+def backward(dout, q, k, v, sinks, out, lse, dlse, fetched_kv, spec):
+    """As :func:`gstar.distributed.ring.backward`, with the keys and values the forward fetched: the fetched
+    calls' dK/dV pieces go back to their ranks.
 
     Every call gets the learned sinks, for its rows' share of dsinks, ``-sum exp(sinks - lse) (P dP - dLSE)``
     with ``P dP`` summed over the call's keys: the shares add up to the rows' whole ``P dP``, and the dLSE
@@ -240,12 +243,11 @@ def backward(dout, q, k, v, sinks, out, lse, dlse, spec):
 
     own = _groups(p.own, batch, spec.n_local)
     grads = [run(g, g.cut(k), g.cut(v)) for g in own]
-    pending = _post(p, spec, [k, v])
     dq, dk, dv = (_joined_groups(own, [gr[i] for gr in grads]) for i in range(3))  # like q, k, v
     dsinks = None if sinks is None else sum(gr[3] for gr in grads)
     back = {src: ([], []) for src, _ in p.receives}                         # dK, dV pieces of other ranks' keys
     fetched = _groups(p.fetched, batch, spec.n_local)
-    keys, values = _keys(p, spec, fetched, [k, v], pending)
+    keys, values = fetched_kv[:len(fetched)], fetched_kv[len(fetched):]
     for g, kc, vc in zip(fetched, keys, values):
         g_q, g_k, g_v, g_sinks = run(g, kc, vc)
         _add(g.cut(dq), g_q)

@@ -77,9 +77,9 @@ def _steps(spec):
 
 
 def forward(q, k, v, sinks, spec):
-    """``(out, lse)`` of this rank's queries q (B, Hq, n, D) against the whole sequence's keys, k (B, Hkv, n,
-    D) and v (B, Hkv, n, Dv) being this rank's shards: out (B, Hq, n, Dv) in q's dtype, lse (B, Hq, n) in the
-    statistics dtype."""
+    """``(out, lse, saved)`` of this rank's queries q (B, Hq, n, D) against the whole sequence's keys, k (B,
+    Hkv, n, D) and v (B, Hkv, n, Dv) being this rank's shards: out (B, Hq, n, Dv) in q's dtype, lse (B, Hq, n)
+    in the statistics dtype, and the tensors its backward needs besides those (none here)."""
     B, Hq, n, _ = q.shape
     stat = ops.stat_dtype(q.dtype)
     out = q.new_zeros((B, Hq, n, v.shape[-1]), dtype=stat)                  # (B, Hq, n, Dv)
@@ -94,12 +94,13 @@ def forward(q, k, v, sinks, spec):
             merge(out[:, :, b.rows], lse[:, :, b.rows], part_out, part_lse)
         if arriving is not None:
             kv = arriving.wait()
-    return out.to(q.dtype), lse
+    return out.to(q.dtype), lse, ()
 
 
-def backward(dout, q, k, v, sinks, out, lse, dlse, spec):
+def backward(dout, q, k, v, sinks, out, lse, dlse, saved, spec):
     """``(dq, dk, dv, dsinks)`` of :func:`forward` for the upstream dout (out's shape, unit last stride) and
-    dlse (lse's shape, or None); dsinks is this rank's share (its rows' terms), None without sinks."""
+    dlse (lse's shape, or None); dsinks is this rank's share (its rows' terms), None without sinks. ``saved``:
+    the forward's saved tensors (none: the K/V pass around the ring again)."""
     stat = ops.stat_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=stat, device=q.device)                  # (B, Hq, n, D)
     kv, returning = [k, v], None
