@@ -148,12 +148,7 @@ def plot(path: str, rows: list[dict], env: dict, mode: str, metric: str = "tflop
         ax.legend(fontsize=8)
     for ax in list(axes.flat)[len(series):]:
         ax.axis("off")
-    graphs = ", CUDA graph replays" if env.get("timing") == "graph" else ""
-    fig.suptitle(f"gstar bench, {mode}{graphs}: {env['card']} (torch {env['torch']}, triton {env['triton']})",
-                 fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path, env, mode)
 
 
 def _plot_decode(plt, path: str, rows: list[dict], env: dict) -> None:
@@ -183,8 +178,13 @@ def _plot_decode(plt, path: str, rows: list[dict], env: dict) -> None:
     ax.set_ylabel("time (ms, log scale)")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
+    _save(plt, fig, path, env, "decode")
+
+
+def _save(plt, fig, path: str, env: dict, what: str) -> None:
+    """Title the figure with the run (what, timing, card, versions) and write it."""
     graphs = ", CUDA graph replays" if env.get("timing") == "graph" else ""
-    ax.set_title(f"gstar bench, decode{graphs}: {env['card']} (torch {env['torch']}, triton {env['triton']})",
+    fig.suptitle(f"gstar bench, {what}{graphs}: {env['card']} (torch {env['torch']}, triton {env['triton']})",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
