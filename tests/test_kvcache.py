@@ -202,7 +202,7 @@ def test_compiled_step_matches_eager(layout):
     for got, want in zip((*compiled, *caches[0]), (*eager, *caches[1])):
         assert torch.equal(got, want)
     torch.library.opcheck(decode_op, (q, *caches[1], kwargs.get("block_table"), kwargs["cache_seqlens"],
-                                      kwargs["sinks"], 3, True, 6, 0, 3, 0.35, 2, "torch"))
+                                      kwargs["sinks"], 3, True, 6, 0, 3, 0.35, 2, "torch", None, None))
 
 
 def test_bad_input():

@@ -8,6 +8,7 @@ causal masks, GQA, sliding windows, sink tokens and learned sinks, on dense and 
   :func:`cu_seqlens_from_mask`, :func:`cu_seqlens_from_position_ids`, :func:`unpad`, :func:`pad` and
   :func:`check_cu_seqlens_values` prepare them;
 - :func:`tiled_attention`: the PyTorch path on any device; :func:`naive_attention`: the oracle;
+- :func:`quantize_fp8`: FP8 inputs and their descales for the entry points' FP8 path (forward only);
 - ``import gstar.integrations.transformers``: ``attn_implementation="gstar"`` for Hugging Face models;
 - :mod:`gstar.distributed`: one sequence sharded over the ranks of a ``torch.distributed`` group.
 
@@ -21,6 +22,7 @@ from .api import (
            flash_attention_varlen,
            tiled_attention,
 )
+from .fp8 import quantize_fp8
 from .kvcache import flash_attention_with_kvcache
 from .reference import naive_attention
 from .varlen import cu_seqlens_from_mask, cu_seqlens_from_position_ids, pad, unpad
@@ -35,6 +37,7 @@ __all__ = [
            "flash_attention_with_kvcache",
            "naive_attention",
            "pad",
+           "quantize_fp8",
            "tiled_attention",
            "unpad",
 ]

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from . import ops
+from . import fp8, ops
 from .pattern import Pattern
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -75,9 +75,13 @@ def _resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> 
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
     if backend == "triton":
-        if dtype not in _FLOATS:
-            raise TypeError(f"q, k, v must be float16, bfloat16 or float32 for the Triton backend, got {dtype}")
+        if dtype not in _FLOATS + (torch.float8_e4m3fn,):
+            raise TypeError(f"q, k, v must be float16, bfloat16, float32 or float8_e4m3fn for the Triton backend, "
+                            f"got {dtype}")
         if device.type == "cpu":
+            if dtype == torch.float8_e4m3fn:
+                raise RuntimeError("FP8 on CPU tensors runs the PyTorch path on the dequantised inputs: "
+                                   "backend='torch' (or 'auto')")
             if os.environ.get("TRITON_INTERPRET") != "1":
                 raise RuntimeError("backend='triton' on CPU tensors needs the Triton interpreter: set "
                                    "TRITON_INTERPRET=1 before triton is imported, or use backend='torch'")
@@ -89,8 +93,9 @@ def _resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> 
     return backend
 
 
-def _check_group(q, k, v) -> tuple[int, int]:
-    """Checks shared by every layout with heads on dim 1 and the head dim last; returns ``(Hq, D)``."""
+def _check_group(q, k, v, fp8_cache: bool = False) -> tuple[int, int]:
+    """Checks shared by every layout with heads on dim 1 and the head dim last; returns ``(Hq, D)``.
+    ``fp8_cache``: 16-bit queries may attend FP8 keys and values (a KV cache)."""
     Hq, Hkv, D = q.shape[1], k.shape[1], q.shape[-1]
     if D == 0:
         raise ValueError(f"q head dim (q.shape[-1]) must be >= 1, got 0 (q shape {tuple(q.shape)})")
@@ -100,10 +105,12 @@ def _check_group(q, k, v) -> tuple[int, int]:
         raise ValueError(f"k head dim must equal q head dim {D}, got {k.shape[-1]}")
     if v.shape[-1] == 0:
         raise ValueError(f"v head dim (v.shape[-1]) must be >= 1, got 0 (v shape {tuple(v.shape)})")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.dtype not in _FLOATS + (torch.float64,):
-        raise TypeError(f"q, k, v must be float16, bfloat16 or float32, got {q.dtype}")
+    mixed = fp8_cache and k.dtype == torch.float8_e4m3fn and q.dtype in (torch.float16, torch.bfloat16)
+    if not (k.dtype == v.dtype and (q.dtype == k.dtype or mixed)):
+        raise TypeError(f"q, k, v must share a dtype (or k, v be float8_e4m3fn under 16-bit queries, in a KV "
+                        f"cache), got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in _FLOATS + (torch.float64, torch.float8_e4m3fn):
+        raise TypeError(f"q, k, v must be float16, bfloat16, float32 or float8_e4m3fn, got {q.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -174,7 +181,8 @@ def normalize(q, k, v, *, causal, window, sink_tokens, sinks, scale, backend, re
 
 
 def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, sinks=None, scale=None,
-                    return_lse=False, backend="auto"):
+                    return_lse=False, backend="auto", q_descale=None, k_descale=None, v_descale=None,
+                    out_dtype=None):
     """Exact attention, memory-efficient, differentiable in q, k, v, sinks and the returned LSE.
 
     Args:
@@ -193,6 +201,12 @@ def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
         return_lse: also return the natural-log logsumexp of each row, ``(B, Hq, Nq)`` float32, sink term
             included; ``-inf`` (or ``sinks[h]``) for rows that see no key.
         backend: ``"auto"`` (Triton on CUDA, tiled PyTorch on CPU), ``"triton"`` or ``"torch"``.
+        q_descale, k_descale, v_descale: FP8 inputs only (q, k, v all ``torch.float8_e4m3fn``, forward only):
+            float32 ``(B, Hkv)`` (or broadcastable, e.g. a scalar) factors that dequantise them, the scores
+            being ``(q * q_descale) . (k * k_descale)`` and the output ``P (v * v_descale)``; a query head
+            takes its kv head's ``q_descale``. Default 1. :func:`gstar.quantize_fp8` makes them
+            (:mod:`gstar.fp8` says how the kernel uses them).
+        out_dtype: the output's dtype for FP8 inputs (bfloat16, float16 or float32; default bfloat16).
 
     Nq = 3, Nk = 5, ``causal=True`` (``1`` = visible), and with ``window=(1, 0), sink_tokens=1``::
 
@@ -207,7 +221,13 @@ def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
     """
     options = normalize(q, k, v, causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks,
                         scale=scale, backend=backend, return_lse=return_lse)
-    out, lse = ops.attention(q, k, v, sinks, options)
+    quantized = fp8.check(q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                          out_dtype=out_dtype, sinks=sinks, scale=options.scale, batch=q.shape[0],
+                          kv_heads=k.shape[1], backend=options.backend)
+    if quantized:
+        out, lse = ops.attention_fp8(q, k, v, sinks, options, *quantized)
+    else:
+        out, lse = ops.attention(q, k, v, sinks, options)
     return (out, lse) if return_lse else out
 
 
@@ -304,7 +324,8 @@ def normalize_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                            window=(-1, -1), sink_tokens=0, sinks=None, scale=None, return_lse=False,
-                           backend="auto", check_cu_seqlens=True):
+                           backend="auto", check_cu_seqlens=True, q_descale=None, k_descale=None, v_descale=None,
+                           out_dtype=None):
     """Attention over packed variable-length sequences (the flash-attn varlen convention).
 
     Sequence ``s`` is query rows ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]`` of ``q`` and key rows
@@ -341,6 +362,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             False only for offsets you built or already checked (e.g. once per batch with
             :func:`gstar.check_cu_seqlens_values`, then for every layer): the kernels trust them, and
             bad offsets read and write out of bounds.
+        q_descale, k_descale, v_descale, out_dtype: FP8 inputs, as in :func:`flash_attention`, with one
+            descale per (sequence, kv head): ``(num_seqs, Hkv)`` or broadcastable.
 
     Returns ``out`` ``(total_q, Hq, Dv)`` contiguous in q's dtype, or ``(out, lse)``. Differentiable in q,
     k, v, sinks and the LSE. One kernel launch per pass covers every sequence (the Triton kernels read
@@ -353,5 +376,11 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, window=window,
         sink_tokens=sink_tokens, sinks=sinks, scale=scale, backend=backend, return_lse=return_lse,
         check_cu_seqlens=check_cu_seqlens)
-    out, lse = ops.attention(q, k, v, sinks, options, cu_seqlens_q, cu_seqlens_k)
+    quantized = fp8.check(q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                          out_dtype=out_dtype, sinks=sinks, scale=options.scale, batch=cu_seqlens_q.shape[0] - 1,
+                          kv_heads=k.shape[1], backend=options.backend)
+    if quantized:
+        out, lse = ops.attention_fp8(q, k, v, sinks, options, *quantized, cu_seqlens_q, cu_seqlens_k)
+    else:
+        out, lse = ops.attention(q, k, v, sinks, options, cu_seqlens_q, cu_seqlens_k)
     return (out, lse) if return_lse else out

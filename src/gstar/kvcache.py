@@ -23,7 +23,7 @@ import numbers
 
 import torch
 
-from . import ops
+from . import fp8, ops
 from .api import (
     _capturing,
     _check_bool,
@@ -86,14 +86,14 @@ def _check_cache(q, k_cache, v_cache, block_table) -> Cache:
         if k_cache.shape[1:3] != v_cache.shape[1:3]:
             raise ValueError(f"k_cache and v_cache must have the same (Hkv, Nmax): {tuple(k_cache.shape)}, "
                              f"{tuple(v_cache.shape)}")
-        _check_group(q, k_cache, v_cache)
+        _check_group(q, k_cache, v_cache, fp8_cache=True)
         return Cache(k_cache, v_cache, None)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(name, t, 4)
     if k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"a paged k_cache and v_cache must have the same (num_blocks, block_size, Hkv): "
                          f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    _check_group(q, k_cache.transpose(1, 2), v_cache.transpose(1, 2))
+    _check_group(q, k_cache.transpose(1, 2), v_cache.transpose(1, 2), fp8_cache=True)
     _check_per_sequence("block_table", block_table, 2, q)
     block_size = k_cache.shape[1]
     if block_size == 0 or block_size % PAGE_MULTIPLE:
@@ -177,15 +177,16 @@ def append(cache: Cache, k, v, cache_seqlens) -> None:
             store.permute(0, 2, 1, 3)[batch, pos] = rows
 
 
-def _torch_path(q, cache: Cache, lengths: list[int], sinks, patterns, scale):
-    """Per sequence: gather the keys it sees and run the tiled PyTorch forward."""
+def _torch_path(q, cache: Cache, lengths: list[int], sinks, patterns, scale, descale, out_dtype):
+    """Per sequence: gather the keys it sees and run the tiled PyTorch forward (an FP8 cache dequantised)."""
     outs, lses = [], []
     for b, nk in enumerate(lengths):
         pattern = patterns(nk)
         pages = _pages(pattern, cache.block_size) if cache.paged else None
-        k, v = cache.keys(b, pages, nk)
-        out, lse = ops.run_forward(ops.Inputs(q[b:b + 1], k, v, sinks, None, None),
-                                   ops.Options(pattern, scale, "torch"))
+        qkv = (q[b:b + 1], *cache.keys(b, pages, nk))
+        if descale is not None:  # the dequantised inputs in the output's dtype (q 16-bit: its descale is 1)
+            qkv = (fp8.dequantize(t, descale[b:b + 1, :, i], None, out_dtype) for i, t in enumerate(qkv))
+        out, lse = ops.run_forward(ops.Inputs(*qkv, sinks, None, None), ops.Options(pattern, scale, "torch"))
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
@@ -193,7 +194,8 @@ def _torch_path(q, cache: Cache, lengths: list[int], sinks, patterns, scale):
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None, block_table=None,
                                  causal=True, window=(-1, -1), sink_tokens=0, sinks=None, scale=None,
-                                 return_lse=False, num_splits=None, backend="auto", check_values=True):
+                                 return_lse=False, num_splits=None, backend="auto", check_values=True,
+                                 q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
     """Attention of ``Nq`` new queries against a key/value cache, appending their keys and values first if
     given. Forward only (inference).
 
@@ -217,8 +219,13 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_s
         check_values: check ``cache_seqlens`` and the block table on the host (one device sync): lengths within
             the capacity, pages read inside the cache. Inside ``torch.compile`` or CUDA graph capture they are
             trusted; pass False in a decode loop whose cache is known good.
+        q_descale, k_descale, v_descale, out_dtype: an FP8 cache (``torch.float8_e4m3fn``, half the bytes a
+            step reads), as in :func:`gstar.flash_attention`: descales ``(B, Hkv)`` or broadcastable, fixed
+            per sequence (appended keys and values are quantised with them). q may be FP8 too (with
+            ``q_descale``) or float16 / bfloat16, the cache's keys and values then widened to q's dtype in
+            registers. ``out_dtype`` defaults to q's dtype (bfloat16 for FP8 queries).
 
-    Returns ``out`` ``(B, Hq, Nq, Dv)`` in q's dtype, or ``(out, lse)``.
+    Returns ``out`` ``(B, Hq, Nq, Dv)`` in q's dtype (or out_dtype), or ``(out, lse)``.
     """
     _check_tensor("q", q, 4)
     if q.shape[2] == 0:
@@ -246,24 +253,29 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_s
         check_cache_values(q, cache, cache_seqlens, appending, patterns)
     if appending:
         append(cache, k, v, cache_seqlens)
+    descale, out_dtype = fp8.check(q, cache.k, cache.v, q_descale=q_descale, k_descale=k_descale,
+                                   v_descale=v_descale, out_dtype=out_dtype, sinks=sinks, scale=scale,
+                                   batch=q.shape[0], kv_heads=cache.v.shape[-2 if cache.paged else 1],
+                                   backend=backend) or (None, None)
     args = (q, cache.k, cache.v, cache.block_table, cache_seqlens, sinks, Nq if appending else 0, causal, *window,
-            sink_tokens, scale, num_splits or 0, backend)
+            sink_tokens, scale, num_splits or 0, backend, descale, out_dtype)
     out, lse = decode_op(*args) if torch.compiler.is_compiling() else _attend(*args)
     return (out, lse) if return_lse else out
 
 
 def _attend(q, k_cache, v_cache, block_table, cache_seqlens, sinks, added, causal, left, right, sink_tokens, scale,
-            num_splits, backend):
+            num_splits, backend, descale, out_dtype):
     """``(out, lse)`` on validated inputs, the cache already appended to (``added`` keys this call); flat
-    arguments, those of the operator below (``num_splits`` 0: picked by the rule)."""
+    arguments, those of the operator below (``num_splits`` 0: picked by the rule; ``descale``, ``out_dtype``:
+    an FP8 cache's, from :func:`gstar.fp8.check`, else None)."""
     cache, patterns = Cache(k_cache, v_cache, block_table), _patterns(q.shape[2], causal, (left, right), sink_tokens)
     if backend == "torch":
         lengths = ([n + added for n in cache_seqlens.tolist()] if cache_seqlens is not None
                    else [cache.capacity] * q.shape[0])
-        return _torch_path(q, cache, lengths, sinks, patterns, scale)
+        return _torch_path(q, cache, lengths, sinks, patterns, scale, descale, out_dtype)
     from .kernels.decode import decode_forward
     return decode_forward(q, cache, cache_seqlens, added, None if sinks is None else sinks.float(),
-                          patterns(cache.capacity), scale, num_splits or None)
+                          patterns(cache.capacity), scale, num_splits or None, descale, out_dtype)
 
 
 # torch.compile traces this operator in place of _attend (eager calls skip the dispatcher's host time): the
@@ -272,10 +284,12 @@ decode_op = torch.library.custom_op(
     "gstar::decode", _attend, mutates_args=(),
     schema="(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? block_table, Tensor? cache_seqlens, Tensor? sinks, "
            "SymInt added, bool causal, SymInt left, SymInt right, SymInt sink_tokens, float scale, SymInt num_splits, "
-           "str backend) -> (Tensor, Tensor)")
+           "str backend, Tensor? descale, ScalarType? out_dtype) -> (Tensor, Tensor)")
 
 
 @decode_op.register_fake
 def _(q, k_cache, v_cache, *rest):
     B, Hq, nq, _ = q.shape
-    return q.new_empty((B, Hq, nq, v_cache.shape[-1])), q.new_empty((B, Hq, nq), dtype=ops.stat_dtype(q.dtype))
+    out_dtype = rest[-1] or q.dtype
+    return (q.new_empty((B, Hq, nq, v_cache.shape[-1]), dtype=out_dtype),
+            q.new_empty((B, Hq, nq), dtype=ops.stat_dtype(out_dtype)))

@@ -99,30 +99,41 @@ def _packed(x: torch.Tensor) -> torch.Tensor:
     return x[0].transpose(0, 1)
 
 
-def _empty_result(q: torch.Tensor, width: int, sinks: torch.Tensor | None, packed: bool):
-    """``(out, lse)`` of a heads-first q when no row sees a key: zeros ``width`` (Dv) columns wide, and
-    ``-inf`` or the sink logit."""
+def _empty_result(q: torch.Tensor, width: int, sinks: torch.Tensor | None, packed: bool, out_dtype=None):
+    """``(out, lse)`` of a heads-first q when no row sees a key: zeros ``width`` (Dv) columns wide (in
+    ``out_dtype``, default q's), and ``-inf`` or the sink logit."""
     B, Hq, Nq, _ = q.shape
-    out = (empty_packed_like if packed else empty_like)(q, width=width).zero_()     # (B, Hq, Nq, Dv)
-    lse = torch.full((B, Hq, Nq), -torch.inf, dtype=stat_dtype(q.dtype), device=q.device)
+    out = (empty_packed_like if packed else empty_like)(q, dtype=out_dtype, width=width).zero_()  # (B, Hq, Nq, Dv)
+    lse = torch.full((B, Hq, Nq), -torch.inf, dtype=stat_dtype(out_dtype or q.dtype), device=q.device)
     if sinks is not None:
         lse.copy_(sinks.view(1, Hq, 1).expand(B, Hq, Nq))
     return out, lse
 
 
-def run_forward(inputs: Inputs, options: Options) -> tuple[torch.Tensor, torch.Tensor]:
+def run_forward(inputs: Inputs, options: Options, descale: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns out, q's shape with v's head dim Dv and q's dtype (dense: q's memory layout; packed:
-    contiguous), and lse, (B, Hq, Nq) or packed (Hq, total_q), float32 (float64 for float64 inputs)."""
+    contiguous), and lse, (B, Hq, Nq) or packed (Hq, total_q), float32 (float64 for float64 inputs).
+    FP8 inputs (forward only): ``descale`` (B or num_seqs, Hkv, 3) float32, the descales of q, k and v
+    (:func:`gstar.fp8.check`), and out in ``out_dtype``; the PyTorch path runs on the dequantised inputs."""
     q, k, v, sinks, cu_q, cu_k = inputs
+    fp8_kernel = {}
+    if descale is not None:
+        if options.backend == "torch":
+            from .fp8 import dequantize
+            q, k, v = (dequantize(t, descale[..., i], cu, out_dtype)
+                       for i, (t, cu) in enumerate(((q, cu_q), (k, cu_k), (v, cu_k))))
+        else:
+            fp8_kernel = dict(descale=descale, out_dtype=out_dtype)
     packed = cu_q is not None
     if packed:
         q, k, v = (_heads_first(t) for t in (q, k, v))                              # (1, H, total, D)
     if q.shape[0] * q.shape[2] == 0 or k.shape[2] == 0 or (packed and cu_q.shape[0] < 2):
-        out, lse = _empty_result(q, v.shape[-1], sinks, packed)
+        out, lse = _empty_result(q, v.shape[-1], sinks, packed, out_dtype)
     else:
         forward_fn, _ = _backend_fns(options.backend)
         out, lse = forward_fn(q, k, v, _stat_sinks(sinks, q), options.pattern, options.scale,
-                              cu_seqlens=(cu_q, cu_k) if packed else None)
+                              cu_seqlens=(cu_q, cu_k) if packed else None, **fp8_kernel)
     return (_packed(out), lse[0]) if packed else (out, lse)
 
 
@@ -167,6 +178,28 @@ forward_op = torch.library.custom_op("gstar::attention_forward", _forward_op, mu
 backward_op = torch.library.custom_op(
     "gstar::attention_backward", _backward_op, mutates_args=(),
     schema=f"(Tensor dout, Tensor out, Tensor lse, Tensor? dlse, {_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)")
+
+
+def _fp8_forward_op(*args):
+    *args, descale, out_dtype = args
+    return run_forward(*_named(tuple(args)), descale, out_dtype)
+
+
+# FP8 inputs: forward only (no autograd formula), the descales and the output dtype after the common arguments
+fp8_forward_op = torch.library.custom_op("gstar::attention_forward_fp8", _fp8_forward_op, mutates_args=(),
+                                         schema=f"({_ARGS}, Tensor descale, ScalarType out_dtype) -> (Tensor, Tensor)")
+
+
+@fp8_forward_op.register_fake
+def _(*args):
+    *args, _, out_dtype = args
+    inputs, _ = _named(tuple(args))
+    q, Dv = inputs.q, inputs.v.shape[-1]
+    if inputs.cu_seqlens_q is None:
+        B, Hq, Nq, _ = q.shape
+        return layout_like(q, dtype=out_dtype, width=Dv), q.new_empty((B, Hq, Nq), dtype=torch.float32)
+    return q.new_empty((*q.shape[:-1], Dv), dtype=out_dtype), q.new_empty((q.shape[1], q.shape[0]),
+                                                                          dtype=torch.float32)
 
 
 @forward_op.register_fake
@@ -244,6 +277,15 @@ class _Eager(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         return (*_gradients(ctx, dout, dlse), None)  # None: options
+
+
+def attention_fp8(q, k, v, sinks, options: Options, descale, out_dtype, cu_seqlens_q=None, cu_seqlens_k=None):
+    """``(out, lse)`` of validated FP8 inputs (forward only): the ``gstar::attention_forward_fp8`` operator
+    while ``torch.compile`` traces, :func:`run_forward` otherwise."""
+    inputs = Inputs(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k)
+    if torch.compiler.is_compiling():
+        return fp8_forward_op(*_op_args(inputs, options), descale, out_dtype)
+    return run_forward(inputs, options, descale, out_dtype)
 
 
 def attention(q, k, v, sinks, options: Options, cu_seqlens_q=None, cu_seqlens_k=None):

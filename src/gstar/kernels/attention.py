@@ -39,7 +39,8 @@ class _ForwardPlan(NamedTuple):
     grid: tuple[int, int, int]
     lse_shape: tuple[int, int, int]
     head: tuple   # scalars before Out's strides: the strides of q, k, v
-    tail: tuple   # scalars after them: Lse's strides, group, Nq, Nk, left, right, sink_tokens, qk_scale
+    tail: tuple   # scalars after them: Lse's strides, group, Nq, Nk, left, right, sink_tokens, qk_scale, and
+                  # the descales' batch stride
     options: tuple  # constexprs and launch options
 
 
@@ -65,7 +66,7 @@ def _forward_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tup
     return _ForwardPlan(
         grid, (B, Hq, Nq), tuple(batch_strides(s, varlen) for s in (q_stride, k_stride, v_stride)),
         ((0 if varlen else Hq * Nq, Nq), Hq // Hkv, Nq, Nk, pattern.left, pattern.right, pattern.sink_tokens,
-         scale * LOG2E),
+         scale * LOG2E, Hkv * 3),
         constexprs(
             HEAD_DIM=D, VALUE_DIM=Dv, BLOCK_M=block_m, BLOCK_N=block_n, PACK=pack, HAS_LEFT=has_left, HAS_RIGHT=has_right,
             HAS_SINK_TOKENS=pattern.sink_tokens > 0, FLAT=bool(cfg["FLAT"]), HALVES=bool(cfg["HALVES"]),
@@ -73,7 +74,7 @@ def _forward_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tup
 
 
 def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: dict | None = None, *,
-                      cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None):
+                      cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None, descale=None, out_dtype=None):
     """Attention forward on validated inputs; returns ``(out, lse)``.
 
     Dense: q: (B, Hq, Nq, D); k: (B, Hkv, Nk, D); v: (B, Hkv, Nk, Dv); pattern: the normalised
@@ -87,13 +88,16 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
     missing switches take its defaults), for tests and tuning; ``PACK_GQA`` is a request that shrinks to the
     largest power of two dividing the GQA group.
 
-    out: (B, Hq, Nq, Dv) in q's dtype, zero rows where no key is visible; dense: in q's memory layout,
+    FP8 (float8_e4m3fn q, k, v): ``descale`` (B or num_seqs, Hkv, 3) float32 contiguous, per kv head the
+    descales of q, k and v (positive); ``out_dtype`` the output's dtype (16 or 32 bits).
+
+    out: (B, Hq, Nq, Dv) in q's dtype (or out_dtype), zero rows where no key is visible; dense: in q's memory layout,
     packed: a heads-first view of a contiguous (total_q, Hq, Dv) tensor.
     lse: (B, Hq, Nq), or (1, Hq, total_q) when packed, float32 contiguous natural-log logsumexp with the
     sink term; ``-inf`` (or ``sinks[h]``) for rows that see no key.
     """
     varlen = cu_seqlens is not None
-    out = (buffers.empty_packed_like if varlen else buffers.empty_like)(q, width=v.shape[3])  # (B, Hq, Nq, Dv)
+    out = (buffers.empty_packed_like if varlen else buffers.empty_like)(q, dtype=out_dtype, width=v.shape[3])
     q_in = q
     if scale <= 0:
         # the kernel scales each block's max over raw scores, which needs a positive factor: the sign of the
@@ -105,7 +109,7 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
                          tuple(sorted(config.items())) if config else None, dot_precision(q.dtype))
     lse = buffers.empty(plan.lse_shape, dtype=torch.float32, device=q.device)      # (B, Hq, Nq)
     cu_q, cu_k = cu_seqlens if varlen else (None, None)
-    launch(_forward_kernel, plan.grid, (q_in, k, v, sinks, out, lse, cu_q, cu_k),
+    launch(_forward_kernel, plan.grid, (q_in, k, v, sinks, out, lse, cu_q, cu_k, descale),
            (*plan.head, batch_strides(out.stride(), varlen), *plan.tail), plan.options)
     return out, lse
 

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ..pattern import Pattern, cdiv
 from .configs import capability_major, dot_precision, pad_head_dim
-from .forward import _softmax_step, finish_state, start_state
+from .forward import _softmax_step, finish_state, load_descales, start_state, widen_fp8
 from .launch import constexprs, launch
 from .ranges import kv_range
 
@@ -51,9 +51,9 @@ def _block_ptrs(Cache, BlockTable, b, hkv, start_n, offs_n, offs_d, stride_c, st
 
 # lengths, bounds and row counts change between calls: specialising on them would recompile a decode loop
 @triton.jit(do_not_specialize=["nq", "group", "added", "left", "right", "sink_tokens", "page_size"])
-def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse,
+def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, Descale,
             stride_q, stride_k, stride_v, stride_bt, stride_o, stride_lse,
-            nq, group, added, left, right, sink_tokens, page_size, qk_scale,
+            nq, group, added, left, right, sink_tokens, page_size, qk_scale, stride_ds,
             HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
             PAGED: tl.constexpr, SPLIT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
             HAS_SINK_TOKENS: tl.constexpr, PRECISION: tl.constexpr):
@@ -64,7 +64,9 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse,
     and (batch, head). SPLIT: Out (B, Hq, splits, nq, VALUE_DIM) and Lse (B, Hq, splits, nq) float32, strides
     (batch, head, split, row) and (batch, head, split): this program's partial, LSE -inf where it saw no key.
     stride_q, stride_k, stride_v: (batch, head, row), or (page, row, head) for a paged cache.
-    qk_scale = scale * log2(e) > 0.
+    qk_scale = scale * log2(e) > 0. An FP8 cache (float8_e4m3fn K, V; Q FP8 too, or 16-bit and its keys
+    widened to Q's dtype): Descale (B, Hkv, 3) float32 with batch stride ``stride_ds``
+    (:func:`gstar.kernels.forward.load_descales`), else None.
     """
     D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
     DV_PAD: tl.constexpr = pad_head_dim(VALUE_DIM)
@@ -75,6 +77,7 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse,
     tile = tl.program_id(1) // kv_heads
     b = tl.program_id(2).to(tl.int64)
     nk = tl.load(Seqlens + b) + added
+    qk_scale, v_descale = load_descales(Descale, b, hkv, stride_ds, qk_scale)
 
     offs_r = tile * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,) stacked rows of the group
     real = offs_r < group * nq
@@ -105,14 +108,17 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse,
         k = tl.load(_block_ptrs(K, BlockTable, b, hkv, start_n, offs_n, offs_d, stride_k, stride_bt, page_size,
                                 PAGED),
                     mask=key_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)  # (BLOCK_N, D_PAD)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BLOCK_R, BLOCK_N) raw scores
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # (BLOCK_R, BLOCK_N) raw scores
         p, acc, m_i, l_i = _softmax_step(s, acc, m_i, l_i, rows, cols, qk_scale, nq, nk, left, right, sink_tokens,
                                          HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True, True)
         v = tl.load(_block_ptrs(V, BlockTable, b, hkv, start_n, offs_n, offs_dv, stride_v, stride_bt, page_size,
                                 PAGED),
                     mask=key_ok[:, None] & (offs_dv[None, :] < VALUE_DIM), other=0.0)  # (BLOCK_N, DV_PAD)
+        v = widen_fp8(v.to(q.dtype))  # an FP8 cache under 16-bit queries is widened to their dtype
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
 
+    if Descale is not None:  # v's descale: one multiply of the finished rows (a split's partial alike)
+        acc = acc * v_descale
     out, lse = finish_state(acc, m_i, l_i)  # (BLOCK_R, DV_PAD), (BLOCK_R,)
     value_ok = real[:, None] & (offs_dv[None, :] < VALUE_DIM)
     if SPLIT:
@@ -210,11 +216,12 @@ def _decode_plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: boo
 
 
 def decode_forward(q, cache, cache_seqlens, added: int, sinks, pattern: Pattern, scale: float,
-                   num_splits: int | None):
+                   num_splits: int | None, descale=None, out_dtype=None):
     """``(out, lse)`` of :func:`gstar.flash_attention_with_kvcache` on validated inputs (the cache already
     appended to). ``cache``: a :class:`gstar.kvcache.Cache`; ``cache_seqlens``: (B,) int32 or None (every
     sequence full); ``added``: keys appended this call; ``pattern``: nq and the window (its nk is unused:
-    each sequence's is read on the device); ``sinks``: None or (Hq,) float32."""
+    each sequence's is read on the device); ``sinks``: None or (Hq,) float32. An FP8 cache: ``descale``
+    (B, Hkv, 3) float32 contiguous (q's, k's and v's descales) and ``out_dtype`` (default q's dtype)."""
     B, Hq, nq, D = q.shape
     k, v = cache.k, cache.v
     Hkv, Dv = (k.shape[2] if cache.paged else k.shape[1]), v.shape[-1]
@@ -225,20 +232,20 @@ def decode_forward(q, cache, cache_seqlens, added: int, sinks, pattern: Pattern,
         q_in, scale = (-q, -scale) if scale < 0 else (q * 0.0, 1.0)
     plan = _decode_plan(B, Hq, Hkv, nq, D, Dv, cache.paged, cache.block_size if cache.paged else 0,
                         cache.capacity, pattern, q.device, dot_precision(q.dtype), num_splits)
-    out = q.new_empty((B, Hq, nq, Dv))
+    out = q.new_empty((B, Hq, nq, Dv), dtype=out_dtype)
     lse = torch.empty((B, Hq, nq), dtype=torch.float32, device=q.device)
     table = cache.block_table
     scalars = (tuple(q_in.stride()[:3]), tuple(k.stride()[:3]), tuple(v.stride()[:3]),
                table.stride(0) if cache.paged else 0)
     bounds = (Hq // Hkv, added, pattern.left, pattern.right, pattern.sink_tokens,
-              cache.block_size if cache.paged else 1, scale * math.log2(math.e))
+              cache.block_size if cache.paged else 1, scale * math.log2(math.e), Hkv * 3)
     if plan.splits == 1:
-        launch(_decode, plan.grid, (q_in, k, v, table, cache_seqlens, sinks, out, lse),
+        launch(_decode, plan.grid, (q_in, k, v, table, cache_seqlens, sinks, out, lse, descale),
                (*scalars, tuple(out.stride()[:3]), tuple(lse.stride()[:2]), nq, *bounds), plan.options)
         return out, lse
     part = torch.empty((B, Hq, plan.splits, nq, Dv), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((B, Hq, plan.splits, nq), dtype=torch.float32, device=q.device)
-    launch(_decode, plan.grid, (q_in, k, v, table, cache_seqlens, None, part, part_lse),
+    launch(_decode, plan.grid, (q_in, k, v, table, cache_seqlens, None, part, part_lse, descale),
            (*scalars, tuple(part.stride()[:4]), tuple(part_lse.stride()[:3]), nq, *bounds), plan.options)
     launch(_combine, (nq, Hq, B), (part, part_lse, sinks, out, lse),
            (tuple(part.stride()[:4]), tuple(part_lse.stride()[:3]), tuple(out.stride()[:3]),

@@ -118,6 +118,7 @@ def _attend_blocks(acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2,
             v = tl.load(v_block)
         else:
             v = tl.load(v_block, mask=dv_ok[None, :], other=0.0)
+        v = widen_fp8(v)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         if HALVES:
             p2, acc2, m2, l2 = _softmax_step(s2, acc2, m2, l2, rows2, cols, qk_scale, Nq, Nk, left, right,
@@ -125,6 +126,28 @@ def _attend_blocks(acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2,
                                              MAY_BE_EMPTY)
             acc2 = tl.dot(p2.to(v.dtype), v, acc2, input_precision=PRECISION)
     return acc, m_i, l_i, acc2, m2, l2
+
+
+@triton.jit
+def widen_fp8(v):
+    """FP8 values as bfloat16 for ``P @ V``: P keeps bfloat16's 8 bits of mantissa (FP8's 3 would miss the
+    accuracy bar), so V is widened in registers after its FP8 load; other dtypes pass unchanged."""
+    if v.dtype == tl.float8e4nv:
+        v = v.to(tl.bfloat16)
+    return v
+
+
+@triton.jit
+def load_descales(Descale, b, h_kv, stride_ds, qk_scale):
+    """FP8 inputs' descales of kv head ``h_kv`` of sequence ``b`` (Descale: (B, Hkv, 3) float32, q's, k's and
+    v's; ``stride_ds`` its batch stride): ``(qk_scale, v_descale)``, q's and k's folded into the score factor.
+    Without them (Descale None): ``(qk_scale, 1.0)``."""
+    v_descale = 1.0
+    if Descale is not None:
+        ds = Descale + b * stride_ds + h_kv * 3
+        qk_scale = qk_scale * tl.load(ds) * tl.load(ds + 1)
+        v_descale = tl.load(ds + 2)
+    return qk_scale, v_descale
 
 
 @triton.jit
@@ -185,9 +208,9 @@ def _finish_rows(Out, Lse, acc, m_i, l_i, offs, h0, row_start, q_start, b, strid
 # recompile the kernel for new lengths and buys nothing, since they only enter masks and loop bounds
 @triton.jit(do_not_specialize=["Nq", "Nk", "left", "right", "sink_tokens"])
 def _forward_kernel(
-        Q, K, V, Sinks, Out, Lse, CuQ, CuK,
+        Q, K, V, Sinks, Out, Lse, CuQ, CuK, Descale,
         stride_q, stride_k, stride_v, stride_o, stride_lse,
-        group, Nq, Nk, left, right, sink_tokens, qk_scale,
+        group, Nq, Nk, left, right, sink_tokens, qk_scale, stride_ds,
         HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         PACK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
         FLAT: tl.constexpr, HALVES: tl.constexpr, PRECISION: tl.constexpr):
@@ -203,6 +226,8 @@ def _forward_kernel(
     unit row stride. Hkv = Hq // group. Sinks: None or (Hq,) float32 learned sink logits.
     qk_scale = scale * log2(e) > 0. HAS_LEFT, HAS_RIGHT: whether ``left`` / ``right`` bound the
     window; HAS_SINK_TOKENS: whether ``sink_tokens`` > 0 (under a left bound).
+    FP8 inputs (float8_e4m3fn): Descale (B, Hkv, 3) float32 with batch stride ``stride_ds``
+    (:func:`load_descales`), Out bfloat16, float16 or float32; else Descale is None.
     PACK: query heads of one GQA group (PACK divides group) stacked in one tile of BLOCK_M rows, PACK
     heads times BLOCK_M // PACK positions: each K/V block is loaded once for all of them.
     FLAT: walk the window band in one loop with every block masked, instead of masked / unmasked / masked.
@@ -227,6 +252,7 @@ def _forward_kernel(
         if row_start >= Nq:
             return
     h_kv = (h0 // group).to(tl.int64)
+    qk_scale, v_descale = load_descales(Descale, b, h_kv, stride_ds, qk_scale)
 
     R: tl.constexpr = BLOCK_M // 2 if HALVES else BLOCK_M  # rows per softmax state
     offs_m = tl.arange(0, R)
@@ -265,6 +291,8 @@ def _forward_kernel(
                 HAS_RIGHT=HAS_RIGHT, HAS_SINK_TOKENS=HAS_SINK_TOKENS, MASKED=segment != 2,
                 MAY_BE_EMPTY=Sinks is None, PRECISION=PRECISION, HALVES=HALVES)
 
+    if Descale is not None:  # v's descale: one multiply of the finished tile
+        acc, acc2 = acc * v_descale, acc2 * v_descale
     _finish_rows(Out, Lse, acc, m_i, l_i, offs_m, h0, row_start, q_start, b, stride_o, stride_lse, Nq, ROWS,
                  VALUE_DIM)
     if HALVES:

@@ -1,0 +1,271 @@
+"""FP8 attention against the float64 oracle on the dequantised inputs.
+
+The bar (docs/design.md section 4, for FP8): gstar's error at most 2x that of PyTorch computing the same
+attention from the FP8-rounded inputs in bfloat16 arithmetic. On CPU the PyTorch path (dequantised inputs) runs
+dense, packed and from a KV cache, with its descales expanded here independently of gstar's helpers; on GPUs
+(GPU tier) the Triton kernels run the grid of patterns, dense and packed, odd lengths, and the decode kernel
+an FP8 cache under FP8 and bfloat16 queries. Also quantize_fp8 and the errors for bad input.
+"""
+
+import pytest
+import torch
+from tiers import grid
+
+import gstar
+from gstar.accuracy import verdict
+from gstar.fp8 import FP8, FP8_MAX
+
+PATTERNS = {  # id: (keywords, learned sinks)
+    "full": (dict(causal=False), False),
+    "causal": (dict(causal=True), False),
+    "causal-sinks": (dict(causal=True), True),
+    "window-sinks": (dict(causal=True, window=(9, 0)), True),
+    "window-sink-tokens": (dict(causal=False, window=(7, 3), sink_tokens=2), False),
+}
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU tier)")
+
+
+def _quantized(shape, g, device, per_head_scale=True):
+    """An FP8 tensor and its descale (B, H): each head's values at its own magnitude, so descales differ."""
+    x = torch.randn(*shape, generator=g, dtype=torch.float64)
+    if per_head_scale:
+        x = x * torch.rand(shape[0], shape[1], 1, 1, generator=g, dtype=torch.float64).add(0.25) * 3
+    return gstar.quantize_fp8(x.float().to(device))
+
+
+def _dequantized(x8, descale, group=1):
+    """float64 ``x8 * descale``, descale (B, H // group), each value used by ``group`` consecutive heads."""
+    d = descale.double().repeat_interleave(group, dim=1)
+    return x8.double() * d[:, :, None, None]
+
+
+def _reference(q, k, v, sinks, pattern, dtype):
+    """The oracle (float64) and PyTorch in ``dtype`` on the dequantised inputs: ``(ref, ref_lse, pt, pt_lse)``."""
+    ref, ref_lse = gstar.naive_attention(q, k, v, sinks=None if sinks is None else sinks.double(), **pattern)
+    pt, pt_lse = gstar.naive_attention(*(t.to(dtype) for t in (q, k, v)), sinks=sinks, **pattern)
+    return ref, ref_lse, pt, pt_lse
+
+
+def _dense_case(device, pattern_id, seed=0, shape=(2, 6, 2, 37, 45, 32)):
+    g = torch.Generator().manual_seed(seed)
+    B, Hq, Hkv, Nq, Nk, D = shape
+    pattern, learned = PATTERNS[pattern_id]
+    q8, qd = gstar.quantize_fp8(torch.randn(B, Hq, Nq, D, generator=g).to(device), kv_heads=Hkv)
+    k8, kd = _quantized((B, Hkv, Nk, D), g, device)
+    v8, vd = _quantized((B, Hkv, Nk, D), g, device)
+    sinks = (torch.randn(Hq, generator=g) * 2).to(device) if learned else None
+    deq = (_dequantized(q8, qd, Hq // Hkv), _dequantized(k8, kd), _dequantized(v8, vd))
+    return (q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd, sinks=sinks, **pattern), deq, pattern
+
+
+def test_quantize_fp8_round_trip_and_groups():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 9, 16, generator=g) * torch.tensor([1.0, 10.0, 0.1, 3.0]).view(1, 4, 1, 1)
+    x8, d = gstar.quantize_fp8(x)
+    assert x8.dtype == FP8 and d.shape == (2, 4) and d.dtype == torch.float32
+    back = x8.float() * d[:, :, None, None]
+    assert (back - x).abs().max() <= (x.abs().amax(dim=(2, 3), keepdim=True) * 2 ** -4).max()  # 3-bit mantissa
+    assert torch.equal(x8.float().abs().amax(dim=(2, 3)), torch.full((2, 4), FP8_MAX))  # each head fills e4m3
+    _, dg = gstar.quantize_fp8(x, kv_heads=2)  # one descale per group of 2 query heads
+    torch.testing.assert_close(dg, d.view(2, 2, 2).amax(-1))
+    _, dt = gstar.quantize_fp8(x, per="tensor")
+    assert dt.dim() == 0 and dt == d.max()
+    cu = torch.tensor([0, 3, 3, 10], dtype=torch.int32)  # packed: one descale per (sequence, head)
+    packed = torch.randn(10, 4, 16, generator=g)
+    _, dp = gstar.quantize_fp8(packed, cu_seqlens=cu)
+    assert dp.shape == (3, 4)
+    for s in range(3):
+        rows = packed[cu[s]:cu[s + 1]]
+        want = rows.abs().amax(dim=(0, 2)) / FP8_MAX if len(rows) else torch.zeros(4)
+        torch.testing.assert_close(dp[s], want.clamp_min(torch.finfo(torch.float32).tiny / FP8_MAX))
+
+
+@pytest.mark.parametrize("pattern_id", list(PATTERNS))
+def test_torch_path_dense(pattern_id):
+    inputs, kwargs, deq, pattern = _dense_case("cpu", pattern_id)
+    with torch.no_grad():
+        out, lse = gstar.flash_attention(*inputs, return_lse=True, **kwargs)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    ref, ref_lse, pt, pt_lse = _reference(*deq, kwargs["sinks"], pattern, torch.bfloat16)
+    for check in (verdict("out", out, ref, pt), verdict("lse", lse, ref_lse, pt_lse)):
+        assert check.ok, check
+
+
+def test_torch_path_packed():
+    """Per-sequence descales: each packed sequence equals the dense call on that sequence alone."""
+    g = torch.Generator().manual_seed(1)
+    lengths = [5, 0, 23, 11]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    total, Hq, Hkv, D = sum(lengths), 4, 2, 32
+    q8, qd = gstar.quantize_fp8(torch.randn(total, Hq, D, generator=g), kv_heads=Hkv, cu_seqlens=cu)
+    k8, kd = gstar.quantize_fp8(torch.randn(total, Hkv, D, generator=g) * 3, cu_seqlens=cu)
+    v8, vd = gstar.quantize_fp8(torch.randn(total, Hkv, D, generator=g), cu_seqlens=cu)
+    with torch.no_grad():
+        out = gstar.flash_attention_varlen(q8, k8, v8, cu, cu, 23, 23, causal=True, window=(6, 0),
+                                           q_descale=qd, k_descale=kd, v_descale=vd)
+    for s, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        if a == b:
+            continue
+        seq = [t[a:b].transpose(0, 1).unsqueeze(0) for t in (q8, k8, v8)]
+        deq = (_dequantized(seq[0], qd[s:s + 1], Hq // Hkv), _dequantized(seq[1], kd[s:s + 1]),
+               _dequantized(seq[2], vd[s:s + 1]))
+        ref, _, pt, _ = _reference(*deq, None, dict(causal=True, window=(6, 0)), torch.bfloat16)
+        check = verdict(f"sequence {s}", out[a:b].transpose(0, 1).unsqueeze(0), ref, pt)
+        assert check.ok, check
+
+
+@pytest.mark.parametrize("q_fp8", [True, False], ids=["fp8-queries", "bf16-queries"])
+def test_torch_path_kvcache(q_fp8):
+    """An FP8 paged cache, appending FP8 keys quantised with the cache's descales."""
+    g = torch.Generator().manual_seed(2)
+    B, Hq, Hkv, D, bs, blocks = 2, 4, 2, 32, 16, 4
+    lengths = torch.tensor([20, 41], dtype=torch.int32)
+    keys = torch.randn(B, Hkv, 42, D, generator=g) * 2
+    values = torch.randn(B, Hkv, 42, D, generator=g)
+    k8, kd = gstar.quantize_fp8(keys)
+    v8, vd = gstar.quantize_fp8(values)
+    table = torch.randperm(B * blocks, generator=g).view(B, blocks).int()
+    k_cache = torch.zeros(B * blocks, bs, Hkv, D, dtype=FP8)
+    v_cache = torch.zeros_like(k_cache)
+    for b in range(B):
+        for j in range(blocks):
+            lo, hi = j * bs, min((j + 1) * bs, int(lengths[b]))
+            if lo < hi:
+                k_cache[table[b, j], :hi - lo] = k8[b, :, lo:hi].transpose(0, 1)
+                v_cache[table[b, j], :hi - lo] = v8[b, :, lo:hi].transpose(0, 1)
+    new = [t[b:b + 1, :, int(lengths[b]):int(lengths[b]) + 1] for t in (k8, v8) for b in range(B)]
+    k_new, v_new = torch.cat(new[:B]), torch.cat(new[B:])
+    q = torch.randn(B, Hq, 1, D, generator=g)
+    qd = None
+    if q_fp8:
+        q, qd = gstar.quantize_fp8(q, kv_heads=Hkv)
+    else:
+        q = q.bfloat16()
+    with torch.no_grad():
+        out = gstar.flash_attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lengths,
+                                                 block_table=table, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert out.dtype == torch.bfloat16
+    for b in range(B):
+        n = int(lengths[b]) + 1
+        q_b = _dequantized(q[b:b + 1], qd[b:b + 1], Hq // Hkv) if q_fp8 else q[b:b + 1].double()
+        deq = (q_b, _dequantized(k8[b:b + 1, :, :n], kd[b:b + 1]), _dequantized(v8[b:b + 1, :, :n], vd[b:b + 1]))
+        ref, _, pt, _ = _reference(*deq, None, dict(causal=True), torch.bfloat16)
+        check = verdict(f"sequence {b}", out[b:b + 1], ref, pt)
+        assert check.ok, check
+
+
+def test_bad_input():
+    inputs, kwargs, _, _ = _dense_case("cpu", "causal")
+    q8, k8, v8 = inputs
+    qd, kd = kwargs["q_descale"], kwargs["k_descale"]
+    bf = [t.float().bfloat16() for t in inputs]
+    with pytest.raises(ValueError, match="apply to FP8 inputs"):
+        gstar.flash_attention(*bf, k_descale=kd)
+    with pytest.raises(ValueError, match="apply to FP8 inputs"):
+        gstar.flash_attention(*bf, out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="must broadcast to"):
+        gstar.flash_attention(q8, k8, v8, k_descale=torch.ones(3, 2))
+    with pytest.raises(ValueError, match="positive and finite"):
+        gstar.flash_attention(q8, k8, v8, k_descale=-kd)
+    with pytest.raises(TypeError, match="out_dtype"):
+        gstar.flash_attention(q8, k8, v8, out_dtype=torch.int8)
+    with pytest.raises(ValueError, match="positive scale"):
+        gstar.flash_attention(q8, k8, v8, scale=-1.0)
+    with pytest.raises(TypeError, match="k_descale must be a float tensor"):
+        gstar.flash_attention(q8, k8, v8, k_descale=[1.0])
+    sinks = torch.zeros(q8.shape[1], requires_grad=True)
+    with pytest.raises(RuntimeError, match="forward only"):
+        gstar.flash_attention(q8, k8, v8, sinks=sinks, q_descale=qd)
+    with pytest.raises(TypeError, match="share a dtype"):
+        gstar.flash_attention(bf[0], k8, v8)
+    with pytest.raises(RuntimeError, match="dequantised"):
+        gstar.flash_attention(q8, k8, v8, backend="triton")
+    with pytest.raises(ValueError, match="applies to FP8 queries"):
+        gstar.flash_attention_with_kvcache(bf[0][:, :, :1], k8, v8, q_descale=qd)
+    with pytest.raises(ValueError, match="kv_heads must"):
+        gstar.quantize_fp8(torch.randn(1, 6, 2, 8), kv_heads=4)
+    with pytest.raises(TypeError, match="other than FP8"):
+        gstar.quantize_fp8(q8)
+
+
+# --------------------------------------------------------------------------------------------- GPU tier
+
+SHAPES = {"odd": ((2, 6, 2, 37, 45, 64),), "gqa8-d128": ((1, 16, 2, 300, 300, 128),), "d80": ((2, 4, 4, 129, 77, 80),)}
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("pattern_id, shape", grid({p: (p,) for p in PATTERNS}, SHAPES))
+def test_gpu_kernel_dense(pattern_id, shape):
+    inputs, kwargs, deq, pattern = _dense_case("cuda", pattern_id, shape=shape)
+    with torch.no_grad():
+        out, lse = gstar.flash_attention(*inputs, return_lse=True, **kwargs)
+    ref, ref_lse, pt, pt_lse = _reference(*deq, kwargs["sinks"], pattern, torch.bfloat16)
+    for check in (verdict("out", out, ref, pt), verdict("lse", lse, ref_lse, pt_lse)):
+        assert check.ok, check
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_kernel_packed_matches_dense_sequences():
+    g = torch.Generator().manual_seed(3)
+    lengths = [130, 1, 0, 77]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    total, Hq, Hkv, D = sum(lengths), 8, 2, 64
+    q8, qd = gstar.quantize_fp8(torch.randn(total, Hq, D, generator=g).cuda(), kv_heads=Hkv, cu_seqlens=cu)
+    k8, kd = gstar.quantize_fp8(torch.randn(total, Hkv, D, generator=g).cuda() * 3, cu_seqlens=cu)
+    v8, vd = gstar.quantize_fp8(torch.randn(total, Hkv, D, generator=g).cuda(), cu_seqlens=cu)
+    sinks = torch.randn(Hq, generator=g).cuda()
+    with torch.no_grad():
+        out = gstar.flash_attention_varlen(q8, k8, v8, cu, cu, 130, 130, causal=True, window=(31, 0), sinks=sinks,
+                                           q_descale=qd, k_descale=kd, v_descale=vd)
+    for s, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        if a == b:
+            continue
+        seq = [t[a:b].transpose(0, 1).unsqueeze(0) for t in (q8, k8, v8)]
+        deq = (_dequantized(seq[0], qd[s:s + 1], Hq // Hkv), _dequantized(seq[1], kd[s:s + 1]),
+               _dequantized(seq[2], vd[s:s + 1]))
+        ref, _, pt, _ = _reference(*deq, sinks, dict(causal=True, window=(31, 0)), torch.bfloat16)
+        check = verdict(f"sequence {s}", out[a:b].transpose(0, 1).unsqueeze(0), ref, pt)
+        assert check.ok, check
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("q_fp8", [True, False], ids=["fp8-queries", "bf16-queries"])
+@pytest.mark.parametrize("splits", [1, 5])
+def test_gpu_decode_fp8_cache(q_fp8, splits):
+    g = torch.Generator().manual_seed(4)
+    B, Hq, Hkv, D, capacity = 3, 16, 2, 64, 700
+    lengths = torch.tensor([1, 350, 699], dtype=torch.int32, device="cuda")
+    k8, kd = _quantized((B, Hkv, capacity, D), g, "cuda")
+    v8, vd = _quantized((B, Hkv, capacity, D), g, "cuda")
+    q = torch.randn(B, Hq, 1, D, generator=g).cuda()
+    qd = None
+    if q_fp8:
+        q, qd = gstar.quantize_fp8(q, kv_heads=Hkv)
+    else:
+        q = q.bfloat16()
+    sinks = torch.randn(Hq, generator=g).cuda()
+    with torch.no_grad():
+        out = gstar.flash_attention_with_kvcache(q, k8, v8, cache_seqlens=lengths, sinks=sinks, num_splits=splits,
+                                                 q_descale=qd, k_descale=kd, v_descale=vd)
+    for b in range(B):
+        n = int(lengths[b])
+        q_b = _dequantized(q[b:b + 1], qd[b:b + 1], Hq // Hkv) if q_fp8 else q[b:b + 1].double()
+        deq = (q_b, _dequantized(k8[b:b + 1, :, :n], kd[b:b + 1]), _dequantized(v8[b:b + 1, :, :n], vd[b:b + 1]))
+        ref, _, pt, _ = _reference(*deq, sinks, dict(causal=True), torch.bfloat16)
+        check = verdict(f"sequence {b}", out[b:b + 1], ref, pt)
+        assert check.ok, check
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_compiled_fp8_matches_eager():
+    """torch.compile(fullgraph=True) traces the FP8 call as the gstar::attention_forward_fp8 operator."""
+    inputs, kwargs, _, _ = _dense_case("cuda", "window-sinks")
+    step = lambda q, k, v: gstar.flash_attention(q, k, v, **kwargs)  # noqa: E731
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(step, fullgraph=True)(*inputs)
+        assert torch.equal(compiled, step(*inputs))
