@@ -82,7 +82,7 @@ def _backend_fns(backend: str):
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
     """dtype of LSE and of the sinks the backends take: float32, or float64 for float64 inputs."""
-    return torch.promote_types(dtype, torch.float32)
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _stat_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
