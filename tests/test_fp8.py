@@ -154,6 +154,25 @@ def test_torch_path_kvcache(q_fp8):
         assert check.ok, check
 
 
+def test_operator_opcheck_and_compile():
+    """The FP8 operator's fake matches the real call (opcheck), and torch.compile(fullgraph=True) traces the
+    call through it (a graph break on the PyTorch path's host code would raise)."""
+    from gstar import api, fp8, ops
+    inputs, kwargs, _, _ = _dense_case("cpu", "window-sinks")
+    options = api.normalize(*inputs, causal=True, window=(9, 0), sink_tokens=0, sinks=kwargs["sinks"], scale=None,
+                            backend="auto", return_lse=False)
+    descale, out_dtype = fp8.check(*inputs, q_descale=kwargs["q_descale"], k_descale=kwargs["k_descale"],
+                                   v_descale=kwargs["v_descale"], out_dtype=None, sinks=kwargs["sinks"],
+                                   scale=options.scale, batch=2, kv_heads=2, backend="torch")
+    args = (*ops._op_args(ops.Inputs(*inputs, kwargs["sinks"], None, None), options), descale, out_dtype)
+    # opcheck's schema test multiplies the inputs, which torch does not do for FP8 on CPU: the other tests
+    torch.library.opcheck(ops.fp8_forward_op, args, test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    step = lambda q, k, v: gstar.flash_attention(q, k, v, **kwargs)  # noqa: E731
+    torch._dynamo.reset()
+    with torch.no_grad():
+        assert torch.equal(torch.compile(step, fullgraph=True, backend="aot_eager")(*inputs), step(*inputs))
+
+
 def test_bad_input():
     inputs, kwargs, _, _ = _dense_case("cpu", "causal")
     q8, k8, v8 = inputs

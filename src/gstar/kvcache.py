@@ -249,14 +249,14 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_s
     _check_bool("check_values", check_values)
     Nq = q.shape[2]
     patterns = _patterns(Nq, causal, window, sink_tokens)
-    if check_values and not (torch.compiler.is_compiling() or _capturing(q.device)):
-        check_cache_values(q, cache, cache_seqlens, appending, patterns)
-    if appending:
-        append(cache, k, v, cache_seqlens)
     descale, out_dtype = fp8.check(q, cache.k, cache.v, q_descale=q_descale, k_descale=k_descale,
                                    v_descale=v_descale, out_dtype=out_dtype, sinks=sinks, scale=scale,
                                    batch=q.shape[0], kv_heads=cache.v.shape[-2 if cache.paged else 1],
                                    backend=backend) or (None, None)
+    if check_values and not (torch.compiler.is_compiling() or _capturing(q.device)):
+        check_cache_values(q, cache, cache_seqlens, appending, patterns)
+    if appending:
+        append(cache, k, v, cache_seqlens)
     args = (q, cache.k, cache.v, cache.block_table, cache_seqlens, sinks, Nq if appending else 0, causal, *window,
             sink_tokens, scale, num_splits or 0, backend, descale, out_dtype)
     out, lse = decode_op(*args) if torch.compiler.is_compiling() else _attend(*args)

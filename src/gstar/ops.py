@@ -104,7 +104,7 @@ def _empty_result(q: torch.Tensor, width: int, sinks: torch.Tensor | None, packe
     ``out_dtype``, default q's), and ``-inf`` or the sink logit."""
     B, Hq, Nq, _ = q.shape
     out = (empty_packed_like if packed else empty_like)(q, dtype=out_dtype, width=width).zero_()  # (B, Hq, Nq, Dv)
-    lse = torch.full((B, Hq, Nq), -torch.inf, dtype=stat_dtype(out_dtype or q.dtype), device=q.device)
+    lse = torch.full((B, Hq, Nq), -torch.inf, dtype=stat_dtype(q.dtype), device=q.device)
     if sinks is not None:
         lse.copy_(sinks.view(1, Hq, 1).expand(B, Hq, Nq))
     return out, lse
@@ -190,26 +190,24 @@ fp8_forward_op = torch.library.custom_op("gstar::attention_forward_fp8", _fp8_fo
                                          schema=f"({_ARGS}, Tensor descale, ScalarType out_dtype) -> (Tensor, Tensor)")
 
 
+def _fake_forward(inputs: Inputs, out_dtype=None):
+    """The shapes, dtypes and strides of :func:`run_forward`'s ``(out, lse)``, nothing computed."""
+    q, Dv, stats = inputs.q, inputs.v.shape[-1], stat_dtype(inputs.q.dtype)
+    if inputs.cu_seqlens_q is None:
+        B, Hq, Nq, _ = q.shape
+        return layout_like(q, dtype=out_dtype, width=Dv), q.new_empty((B, Hq, Nq), dtype=stats)
+    return q.new_empty((*q.shape[:-1], Dv), dtype=out_dtype), q.new_empty((q.shape[1], q.shape[0]), dtype=stats)
+
+
 @fp8_forward_op.register_fake
 def _(*args):
     *args, _, out_dtype = args
-    inputs, _ = _named(tuple(args))
-    q, Dv = inputs.q, inputs.v.shape[-1]
-    if inputs.cu_seqlens_q is None:
-        B, Hq, Nq, _ = q.shape
-        return layout_like(q, dtype=out_dtype, width=Dv), q.new_empty((B, Hq, Nq), dtype=torch.float32)
-    return q.new_empty((*q.shape[:-1], Dv), dtype=out_dtype), q.new_empty((q.shape[1], q.shape[0]),
-                                                                          dtype=torch.float32)
+    return _fake_forward(_named(tuple(args))[0], out_dtype)
 
 
 @forward_op.register_fake
 def _(*args):
-    inputs, _ = _named(args)
-    q, Dv = inputs.q, inputs.v.shape[-1]
-    if inputs.cu_seqlens_q is None:
-        B, Hq, Nq, _ = q.shape
-        return layout_like(q, width=Dv), q.new_empty((B, Hq, Nq), dtype=stat_dtype(q.dtype))
-    return q.new_empty((*q.shape[:-1], Dv)), q.new_empty((q.shape[1], q.shape[0]), dtype=stat_dtype(q.dtype))
+    return _fake_forward(_named(args)[0])
 
 
 @backward_op.register_fake
