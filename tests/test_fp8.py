@@ -93,23 +93,30 @@ def test_torch_path_dense(pattern_id):
 
 def test_torch_path_packed():
     """Per-sequence descales: each packed sequence equals the dense call on that sequence alone."""
-    g = torch.Generator().manual_seed(1)
-    lengths = [5, 0, 23, 11]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    total, Hq, Hkv, D = sum(lengths), 4, 2, 32
-    q8, qd = gstar.quantize_fp8(torch.randn(total, Hq, D, generator=g), kv_heads=Hkv, cu_seqlens=cu)
-    k8, kd = gstar.quantize_fp8(torch.randn(total, Hkv, D, generator=g) * 3, cu_seqlens=cu)
-    v8, vd = gstar.quantize_fp8(torch.randn(total, Hkv, D, generator=g), cu_seqlens=cu)
+    _check_packed([5, 0, 23, 11], heads=(4, 2), dim=32, pattern=dict(causal=True, window=(6, 0)), sinks=False,
+                  device="cpu", seed=1)
+
+
+def _check_packed(lengths, *, heads, dim, pattern, sinks, device, seed):
+    """Packed FP8 sequences with per-sequence descales: each sequence within the bar of the oracle on that
+    sequence alone."""
+    g = torch.Generator().manual_seed(seed)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    (Hq, Hkv), total = heads, sum(lengths)
+    q8, qd = gstar.quantize_fp8(torch.randn(total, Hq, dim, generator=g).to(device), kv_heads=Hkv, cu_seqlens=cu)
+    k8, kd = gstar.quantize_fp8(torch.randn(total, Hkv, dim, generator=g).to(device) * 3, cu_seqlens=cu)
+    v8, vd = gstar.quantize_fp8(torch.randn(total, Hkv, dim, generator=g).to(device), cu_seqlens=cu)
+    sinks = torch.randn(Hq, generator=g).to(device) if sinks else None
     with torch.no_grad():
-        out = gstar.flash_attention_varlen(q8, k8, v8, cu, cu, 23, 23, causal=True, window=(6, 0),
-                                           q_descale=qd, k_descale=kd, v_descale=vd)
+        out = gstar.flash_attention_varlen(q8, k8, v8, cu, cu, max(lengths), max(lengths), sinks=sinks, q_descale=qd,
+                                           k_descale=kd, v_descale=vd, **pattern)
     for s, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         if a == b:
             continue
         seq = [t[a:b].transpose(0, 1).unsqueeze(0) for t in (q8, k8, v8)]
         deq = (_dequantized(seq[0], qd[s:s + 1], Hq // Hkv), _dequantized(seq[1], kd[s:s + 1]),
                _dequantized(seq[2], vd[s:s + 1]))
-        ref, _, pt, _ = _reference(*deq, None, dict(causal=True, window=(6, 0)), torch.bfloat16)
+        ref, _, pt, _ = _reference(*deq, sinks, pattern, torch.bfloat16)
         check = verdict(f"sequence {s}", out[a:b].transpose(0, 1).unsqueeze(0), ref, pt)
         assert check.ok, check
 
@@ -227,26 +234,8 @@ def test_gpu_kernel_dense(pattern_id, shape):
 @pytest.mark.gpu
 @gpu
 def test_gpu_kernel_packed_matches_dense_sequences():
-    g = torch.Generator().manual_seed(3)
-    lengths = [130, 1, 0, 77]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    total, Hq, Hkv, D = sum(lengths), 8, 2, 64
-    q8, qd = gstar.quantize_fp8(torch.randn(total, Hq, D, generator=g).cuda(), kv_heads=Hkv, cu_seqlens=cu)
-    k8, kd = gstar.quantize_fp8(torch.randn(total, Hkv, D, generator=g).cuda() * 3, cu_seqlens=cu)
-    v8, vd = gstar.quantize_fp8(torch.randn(total, Hkv, D, generator=g).cuda(), cu_seqlens=cu)
-    sinks = torch.randn(Hq, generator=g).cuda()
-    with torch.no_grad():
-        out = gstar.flash_attention_varlen(q8, k8, v8, cu, cu, 130, 130, causal=True, window=(31, 0), sinks=sinks,
-                                           q_descale=qd, k_descale=kd, v_descale=vd)
-    for s, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-        if a == b:
-            continue
-        seq = [t[a:b].transpose(0, 1).unsqueeze(0) for t in (q8, k8, v8)]
-        deq = (_dequantized(seq[0], qd[s:s + 1], Hq // Hkv), _dequantized(seq[1], kd[s:s + 1]),
-               _dequantized(seq[2], vd[s:s + 1]))
-        ref, _, pt, _ = _reference(*deq, sinks, dict(causal=True, window=(31, 0)), torch.bfloat16)
-        check = verdict(f"sequence {s}", out[a:b].transpose(0, 1).unsqueeze(0), ref, pt)
-        assert check.ok, check
+    _check_packed([130, 1, 0, 77], heads=(8, 2), dim=64, pattern=dict(causal=True, window=(31, 0)), sinks=True,
+                  device="cuda", seed=3)
 
 
 @pytest.mark.gpu
