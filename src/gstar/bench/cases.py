@@ -28,8 +28,9 @@ MODES = ("fwd", "bwd", "fwd+bwd")
 # P V; the backward's recomputed Q K^T, dO V^T, P^T dO, dS K and dS^T Q
 _PRODUCTS = {"fwd": (1, 1), "bwd": (3, 2), "fwd+bwd": (4, 3)}
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-          "float32": torch.float32, "fp32": torch.float32}
-_SHORT_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+          "float32": torch.float32, "fp32": torch.float32, "float8_e4m3fn": torch.float8_e4m3fn,
+          "fp8": torch.float8_e4m3fn}
+_SHORT_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8"}
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,11 @@ class Case:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def fp8(self) -> bool:
+        """FP8 inputs (forward only): q, k, v quantised per head, their descales beside them (make_inputs)."""
+        return self.torch_dtype == torch.float8_e4m3fn
 
     def pattern_of(self, n: int) -> Pattern:
         """The case's pattern on ``n`` keys: as many queries (self-attention) or the decode step's ``Nq``."""
@@ -265,6 +271,13 @@ def _decode_suite() -> list[Case]:
     return table + step + [dataclasses.replace(c, page_size=DECODE_PAGE) for c in table + step]
 
 
+def _fp8_suite() -> list[Case]:
+    """Each FP8 case beside the same case in bfloat16: D 128 causal 8k, the GPT-OSS layers, long decode steps."""
+    cases = [Case("fp8", 4, 16, 16, 8192, 128, causal=True), *_gpt_oss("fp8", 2, 4096),
+             *[c for b, n in DECODE_SHAPES[::2] for c in _gpt_oss("fp8", b, n, queries=1)[:1]]]
+    return [dataclasses.replace(c, dtype=d) for c in cases for d in ("bfloat16", "fp8")]
+
+
 SUITES = {
     "gpt-oss": lambda: _gpt_oss("gpt-oss", 2, 4096),
     "long": lambda: _gpt_oss("long", 1, 8192) + _gpt_oss("long", 1, 32768),
@@ -283,14 +296,16 @@ SUITES = {
                        for w in ((-1, -1), (127, 0))],
     # GPT-OSS decode steps: the table's shapes, contiguous and paged, and a GPT-OSS-20B serving step
     "decode": _decode_suite,
+    # FP8 inputs (forward only) beside bfloat16
+    "fp8": _fp8_suite,
 }
 SUITE_NAMES = tuple(SUITES) + ("all",)
-FORWARD_ONLY = ("decode",)  # suites with no backward (flash_attention_with_kvcache is forward only)
+FORWARD_ONLY = ("decode", "fp8")  # suites with no backward (decode steps and FP8 inputs are forward only)
 
 
 def suite(name: str) -> list[Case]:
     """The cases of a suite of docs/design.md section 5 (``all``: every suite that times every mode, in
-    order; ``decode`` runs on its own)."""
+    order; ``decode`` and ``fp8``, forward only, run on their own)."""
     if name == "all":
         return [c for key, build in SUITES.items() if key not in FORWARD_ONLY for c in build()]
     if name not in SUITES:
@@ -300,7 +315,8 @@ def suite(name: str) -> list[Case]:
 
 def for_cpu(case: Case) -> Case:
     """A GPU suite case shrunk for a CPU: batch 1 (a packed case keeps its documents, a decode case of unequal
-    lengths its first 8 sequences, each 1/16 as long), heads / 8, length / 16, window / 8, float32.
+    lengths its first 8 sequences, each 1/16 as long), heads / 8, length / 16, window / 8, float32 (FP8 cases
+    stay FP8: the PyTorch path on their dequantised inputs).
 
     The group size ``Hq / Hkv`` is kept where the shrunk head count allows it; the point on a CPU is the
     tiled PyTorch path against eager attention at shapes a laptop finishes in seconds.
@@ -316,7 +332,7 @@ def for_cpu(case: Case) -> Case:
     else:
         rows = dict(batch=1, seqlen=max(64, case.seqlen // 16))
     return dataclasses.replace(case, heads=heads, kv_heads=kv_heads, window=(shrink(left), shrink(right)),
-                               dtype="float32", **rows)
+                               dtype=case.dtype if case.fp8 else "float32", **rows)
 
 
 def custom(seqlens, *, batch=1, heads=16, kv_heads=None, head_dim=64, value_dim=None, causal=False,

@@ -23,6 +23,7 @@ import time
 import torch
 
 from ..accuracy import Verdict, relative_error, verdict
+from ..fp8 import dequantize, quantize_fp8
 from ..reference import naive_attention
 from .cases import Case
 
@@ -33,7 +34,8 @@ MIN_PIECE_ROWS = 64  # the oracle's smallest piece of query rows
 def make_inputs(case: Case, device, *, seed: int = 0) -> dict:
     """``q, k, v`` (and ``sinks``, ``dout``) for ``case``: standard normal, the same for every implementation.
 
-    q: (B, Hq, N, D), k: (B, Hkv, N, D), v: (B, Hkv, N, Dv) in the case's dtype; sinks: (Hq,) float32 or
+    q: (B, Hq, N, D), k: (B, Hkv, N, D), v: (B, Hkv, N, Dv) in the case's dtype (FP8: quantised per head,
+    with ``q_descale``, ``k_descale``, ``v_descale`` (B, Hkv) beside them); sinks: (Hq,) float32 or
     None; dout: (B, Hq, N, Dv), the upstream gradient of the backward modes. A packed case's tensors are
     (total, H, D or Dv) instead. A decode case's q and dout hold its Nq queries, k and v its cache (random
     past each sequence's length too, so that reading there shows); a paged one adds ``k_pages`` and
@@ -44,14 +46,30 @@ def make_inputs(case: Case, device, *, seed: int = 0) -> dict:
 
     def tokens(heads, width, rows):  # (B, H, rows, width), or (total, H, width) packed
         shape = (case.tokens, heads) if case.packed else (case.batch, heads, rows)
-        return rand(*shape, width).to(case.torch_dtype)
+        return rand(*shape, width).to(torch.float32 if case.fp8 else case.torch_dtype)  # FP8: quantised below
     nq = case.queries or case.seqlen
     inputs = {"q": tokens(case.heads, case.head_dim, nq), "k": tokens(case.kv_heads, case.head_dim, case.seqlen),
               "v": tokens(case.kv_heads, case.dv, case.seqlen), "sinks": rand(case.heads) if case.sinks else None,
               "dout": tokens(case.heads, case.dv, nq)}
+    if case.fp8:  # each head at its own magnitude, quantised per head (queries per GQA group)
+        for name, heads in (("q", case.heads), ("k", case.kv_heads), ("v", case.kv_heads)):
+            x = inputs[name].float() * (rand(heads).abs() + 0.5).view(1, heads, 1, 1)
+            inputs[name], inputs[f"{name}_descale"] = quantize_fp8(
+                x, kv_heads=case.kv_heads if name == "q" else None)
     if case.paged:
         inputs.update(k_pages=case.to_pages(inputs["k"]), v_pages=case.to_pages(inputs["v"]))
     return inputs
+
+
+def fp8_descales(inputs: dict) -> dict:
+    """The descale keywords of an FP8 case's inputs (none for other cases)."""
+    return {name: inputs[name] for name in ("q_descale", "k_descale", "v_descale") if name in inputs}
+
+
+def dequantized(case: Case, inputs: dict) -> dict:
+    """An FP8 case's inputs as float32 values (``x * descale``), what the references attend to."""
+    return dict(inputs, **{name: dequantize(inputs[name], inputs[f"{name}_descale"], None, torch.float32)
+                           for name in ("q", "k", "v")})
 
 
 _BUDGET_RULE = "a quarter of the free GPU memory, at most 4 GiB; 512 MiB on CPU"
@@ -182,9 +200,14 @@ def oracle_dtype(device: torch.device) -> torch.dtype:
 
 def references(case: Case, inputs: dict, *, grads: bool) -> tuple[dict, dict | None]:
     """``(oracle, pytorch)``: the high-precision oracle and naive PyTorch in the input dtype (the bar's
-    baseline; ``None`` for float32 inputs, whose bar is a relative error).
+    baseline; ``None`` for float32 inputs, whose bar is a relative error); for FP8 inputs both on the
+    dequantised inputs, PyTorch in bfloat16.
     """
     device = inputs["q"].device
+    if case.fp8:  # the bar's baseline: the FP8-rounded inputs in bfloat16 arithmetic
+        inputs = dequantized(case, inputs)
+        return naive_reference(case, inputs, oracle_dtype(device), grads=grads), \
+            naive_reference(case, inputs, torch.bfloat16, grads=grads)
     ref = naive_reference(case, inputs, oracle_dtype(device), grads=grads)
     pt = None if case.torch_dtype == torch.float32 else naive_reference(case, inputs, case.torch_dtype, grads=grads)
     return ref, pt

@@ -65,6 +65,7 @@ class Peer:
     layout = "bhnd"
     module = "torch"  # top-level module whose distribution version the reports record
     cuda_only = False
+    fp8 = False  # takes FP8 inputs with descales (``fn(q, k, v, sinks, q_descale=, k_descale=, v_descale=)``)
 
     def _fn(self):
         """Import what the implementation needs (and return its entry point, where it has one)."""
@@ -107,6 +108,7 @@ class Gstar(Peer):
     name = "gstar"
     module = "gstar"
     kvcache = True  # a decode case through flash_attention_with_kvcache
+    fp8 = True
 
     def applies(self, case):
         return True
@@ -118,12 +120,13 @@ class Gstar(Peer):
         if case.decode and self.kvcache:
             lengths = case.cache_seqlens(device)
             table = case.block_table(device) if case.paged else None
-            return lambda q, k, v, sinks: flash_attention_with_kvcache(
-                q, k, v, cache_seqlens=lengths, block_table=table, sinks=sinks, check_values=False, **kw)
+            return lambda q, k, v, sinks, **fp8: flash_attention_with_kvcache(
+                q, k, v, cache_seqlens=lengths, block_table=table, sinks=sinks, check_values=False, **kw, **fp8)
         if case.packed and self.layout != "padded":
             cu, n = case.cu_seqlens(device), case.seqlen
-            return lambda q, k, v, sinks: flash_attention_varlen(q, k, v, cu, cu, n, n, sinks=sinks, **kw)
-        return lambda q, k, v, sinks: flash_attention(q, k, v, sinks=sinks, **kw)
+            return lambda q, k, v, sinks, **fp8: flash_attention_varlen(q, k, v, cu, cu, n, n, sinks=sinks, **kw,
+                                                                        **fp8)
+        return lambda q, k, v, sinks, **fp8: flash_attention(q, k, v, sinks=sinks, **kw, **fp8)
 
 
 class GstarPadded(Gstar):

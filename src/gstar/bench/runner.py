@@ -7,11 +7,13 @@ visible as such), ``n/a`` (the peer cannot express the case, with the reason), `
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..varlen import pad
 from .cases import Case
-from .measure import captured, is_oom, judge_all, nbytes, peak_bytes, time_ms
+from .measure import captured, fp8_descales, is_oom, judge_all, nbytes, peak_bytes, time_ms
 from .peers import Peer
 
 _NO_KERNEL = ("no available kernel", "no viable backend", "not supported", "unsupported")
@@ -96,13 +98,15 @@ def run_row(peer: Peer, case: Case, mode: str, inputs: dict, ref: dict, pt: dict
     ``timing="eager"`` calls it from Python, ``"graph"`` (CUDA only) replays it from a CUDA graph, so that
     host time drops out (an implementation that cannot be captured shows as n/a)."""
     reason = (("a decode step is forward only" if case.decode and mode != "fwd" else None)
+              or ("FP8 inputs are forward only" if case.fp8 and mode != "fwd" else None)
+              or ("no FP8 inputs" if case.fp8 and not peer.fp8 else None)
               or peer.unavailable(device) or peer.unsupported(case, device, mode)
               or (peer.uncapturable(case, device, mode) if timing == "graph" else None))
     if reason:
         return _row(peer, case, "n/a", reason)
     grads = mode != "fwd"
     try:
-        fn = peer.build(case, device)
+        fn = functools.partial(peer.build(case, device), **fp8_descales(inputs))  # FP8: the descales too
         layout = _layout(peer.layout, case, device)
         view, back = layout[1], layout[2]
         leaves, views, dout_view = _leaves(inputs, layout, grads, case.paged)

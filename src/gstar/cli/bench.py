@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="reference shapes of docs/design.md section 5 (default: gpt-oss); varlen: gstar on "
                              "16 packed documents (16384 tokens, GPT-OSS heads) against the same documents padded "
                              "into a batch; decode (forward only, graph-timed by default): GPT-OSS decode steps "
-                             "against contiguous and paged caches; all: every suite but decode")
+                             "against contiguous and paged caches; fp8 (forward only): FP8 inputs beside bfloat16; "
+                             "all: every suite but decode and fp8")
     parser.add_argument("--mode", choices=MODES, default="fwd",
                         help="time the forward, the backward alone, or both (default: fwd)")
     parser.add_argument("--timing", choices=("eager", "graph"),
@@ -69,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--sink-tokens", type=int, help="first keys exempt from the window's left bound")
     shape.add_argument("--sinks", action="store_true", default=None, help="learned per-head sink logits")
     shape.add_argument("--causal", action="store_true", default=None, help="causal mask")
-    shape.add_argument("--dtype", choices=sorted(DTYPES), help="input dtype (default bfloat16)")
+    shape.add_argument("--dtype", choices=sorted(DTYPES), help="input dtype (default bfloat16; fp8: inputs "
+                       "quantised per head, forward only)")
     out = parser.add_argument_group("output")
     out.add_argument("--json", metavar="FILE", help="write rows and environment as JSON")
     out.add_argument("--csv", metavar="FILE", help="write rows as CSV")
@@ -210,7 +212,7 @@ def run(args) -> int:
         console.print("[red]gstar bench: --timing graph replays CUDA graphs and needs a GPU")
         return 2
     if args.suite in FORWARD_ONLY and not _custom(args) and args.mode != "fwd":
-        console.print(f"[red]gstar bench: the {args.suite} suite is forward only (flash_attention_with_kvcache has "
+        console.print(f"[red]gstar bench: the {args.suite} suite is forward only (decode steps and FP8 inputs have "
                       "no backward): --mode fwd")
         return 2
     try:

@@ -1,0 +1,53 @@
+"""``gstar bench --suite fp8`` and ``--dtype fp8``: FP8 rows beside bfloat16 ones, gstar checked against the
+oracle on the dequantised inputs, every other implementation n/a, forward only."""
+
+import json
+
+import torch
+
+from gstar.bench import cases, measure
+from gstar.bench.cases import Case, for_cpu, suite
+from gstar.cli.main import main
+
+
+def test_fp8_suite_pairs_each_case_with_bf16():
+    fp8 = suite("fp8")
+    assert [c.dtype for c in fp8] == ["bfloat16", "fp8"] * (len(fp8) // 2)
+    shapes = {(c.batch, c.heads, c.kv_heads, c.seqlen, c.head_dim, c.queries) for c in fp8}
+    assert shapes == {(4, 16, 16, 8192, 128, 0), (2, 64, 8, 4096, 64, 0), (1, 64, 8, 131072, 64, 1),
+                      (8, 64, 8, 32768, 64, 1)}
+    assert all(c.fp8 for c in fp8[1::2]) and not any(c.fp8 for c in fp8[::2])
+    assert all(for_cpu(c).fp8 == c.fp8 for c in fp8)  # a CPU keeps FP8 (the PyTorch path on dequantised inputs)
+    assert fp8[1].label.endswith("fp8")
+
+
+def test_fp8_inputs_dequantise_to_their_values():
+    case = Case("fp8", 2, 4, 2, 33, 16, causal=True, dtype="fp8")
+    inputs = measure.make_inputs(case, torch.device("cpu"))
+    assert inputs["q"].dtype == torch.float8_e4m3fn and inputs["q_descale"].shape == (2, 2)
+    assert inputs["k_descale"].shape == (2, 2) and inputs["v_descale"].shape == (2, 2)
+    deq = measure.dequantized(case, inputs)
+    for name, heads in (("q", 4), ("k", 2), ("v", 2)):
+        scale = inputs[f"{name}_descale"].repeat_interleave(heads // 2, dim=1)[:, :, None, None]
+        torch.testing.assert_close(deq[name], inputs[name].float() * scale)
+
+
+def test_fp8_suite_runs(monkeypatch, tmp_path, capsys):
+    small = [Case("fp8", 1, 64, 8, 512, 64, causal=True, window=w, sinks=True, dtype=d)
+             for w in ((-1, -1), (127, 0)) for d in ("bfloat16", "fp8")]
+    small += [Case("fp8", 2, 64, 8, 1024, 64, causal=True, sinks=True, queries=1, dtype="fp8")]
+    monkeypatch.setitem(cases.SUITES, "fp8", lambda: small)
+    monkeypatch.setattr(measure, "CPU_BUDGET_S", 0.0)
+    path = tmp_path / "fp8.json"
+    assert main(["bench", "--suite", "fp8", "--impls", "gstar,gstar-prefill,eager", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    fp8 = [r for r in rows if r["case"]["dtype"] == "fp8"]
+    assert [(r["impl"], r["status"]) for r in fp8 if r["impl"] != "eager"] == \
+        [("gstar", "ok"), ("gstar", "ok"), ("gstar", "ok"), ("gstar-prefill", "ok")]
+    assert all(r["checks"] and all(c["ok"] for c in r["checks"]) for r in fp8 if r["status"] == "ok")
+    assert {r["reason"] for r in fp8 if r["impl"] == "eager"} == {"no FP8 inputs"}
+    assert main(["bench", "--suite", "fp8", "--mode", "fwd+bwd"]) == 2
+    assert "forward only" in capsys.readouterr().err
+    assert main(["bench", "--seqlen", "40", "--heads", "2", "--dtype", "fp8", "--mode", "fwd+bwd", "--impls",
+                 "gstar", "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["rows"][0]["reason"] == "FP8 inputs are forward only"
