@@ -187,7 +187,8 @@ class Case:
         q_elems, o_elems = (self.tokens * self.heads * d for d in (self.head_dim, self.dv))
         k_elems, v_elems = (self.visible_keys() * self.kv_heads * d for d in (self.head_dim, self.dv))
         rows = self.tokens * self.heads
-        fwd = esize * (q_elems + k_elems + v_elems + o_elems) + 4 * rows     # q, k, v in; out, lse out
+        o_size = 2 if self.fp8 else esize  # FP8 inputs write a bfloat16 output
+        fwd = esize * (q_elems + k_elems + v_elems) + o_size * o_elems + 4 * rows  # q, k, v in; out, lse out
         bwd = esize * (2 * (q_elems + k_elems + v_elems) + 2 * o_elems) + 8 * rows  # q k v out dout lse in; dq dk dv
         return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
 
