@@ -77,7 +77,9 @@ def test_quantize_fp8_round_trip_and_groups():
     for s in range(3):
         rows = packed[cu[s]:cu[s + 1]]
         want = rows.abs().amax(dim=(0, 2)) / FP8_MAX if len(rows) else torch.zeros(4)
-        torch.testing.assert_close(dp[s], want.clamp_min(torch.finfo(torch.float32).tiny / FP8_MAX))
+        torch.testing.assert_close(dp[s], want.clamp_min(2.0 ** -100 / FP8_MAX))
+    zeros, dz = gstar.quantize_fp8(torch.zeros(1, 2, 3, 4))  # an all-zero head: zeros, a finite descale
+    assert torch.equal(zeros.float(), torch.zeros(1, 2, 3, 4)) and bool((dz > 0).all() and dz.isfinite().all())
 
 
 @pytest.mark.parametrize("pattern_id", list(PATTERNS))

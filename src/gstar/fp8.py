@@ -18,6 +18,7 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
+AMAX_FLOOR = 2.0 ** -100  # an all-zero group's stand-in magnitude: its descale and 1 / descale stay finite
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -45,7 +46,7 @@ def quantize_fp8(x: torch.Tensor, *, per: str = "head", kv_heads: int | None = N
             amax = amax.view(amax.shape[0], kv_heads, -1).amax(-1)                         # (B or S, Hkv)
     else:
         raise ValueError(f"per must be 'head' or 'tensor', got {per!r}")
-    descale = amax.clamp_min(torch.finfo(torch.float32).tiny) / FP8_MAX
+    descale = amax.clamp_min(AMAX_FLOOR) / FP8_MAX
     factor = (1.0 / descale)
     if per == "head":
         factor = expand(factor, x.shape[1], cu_seqlens, x)
@@ -88,10 +89,11 @@ def dequantize(x: torch.Tensor, descale: torch.Tensor, cu_seqlens, dtype: torch.
 
 
 def check(q, k, v, *, q_descale, k_descale, v_descale, out_dtype, sinks, scale, batch: int, kv_heads: int,
-          backend: str) -> tuple[torch.Tensor, torch.dtype] | None:
+          backend: str, check_values: bool = True) -> tuple[torch.Tensor, torch.dtype] | None:
     """The FP8 arguments of an attention call: None when k is not FP8 (then descales and out_dtype must be None
     too); else (q FP8, or 16-bit against an FP8 cache) ``(descale, out_dtype)``, descale (batch, kv_heads, 3) float32 contiguous on q's
-    device: q's, k's and v's descales (what the kernels take)."""
+    device: q's, k's and v's descales (what the kernels take). Their values are checked positive and finite
+    (one sync) unless ``check_values`` is False, torch.compile traces or a CUDA graph is being captured."""
     descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
     if k.dtype != FP8:
         given = [name for name, d in descales.items() if d is not None] + (["out_dtype"] if out_dtype else [])
@@ -128,8 +130,11 @@ def check(q, k, v, *, q_descale, k_descale, v_descale, out_dtype, sinks, scale, 
         except RuntimeError:
             raise ValueError(f"{name} must broadcast to ({batch}, {kv_heads}) (sequences, kv heads), got shape "
                              f"{tuple(d.shape)}") from None
-    if not (torch.compiler.is_compiling() or (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
-        bad = [name for name, d in zip(descales, full) if not bool(((d > 0) & d.isfinite()).all())]
+    descale = torch.stack(full, dim=-1).contiguous()                                      # (batch, Hkv, 3)
+    capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if check_values and not (torch.compiler.is_compiling() or capturing):
+        good = ((descale > 0) & descale.isfinite()).flatten(0, 1).all(0).tolist()  # one sync for all three
+        bad = [name for name, ok in zip(descales, good) if not ok]
         if bad:
             raise ValueError(f"{', '.join(bad)} must be positive and finite")
-    return torch.stack(full, dim=-1).contiguous(), out_dtype
+    return descale, out_dtype

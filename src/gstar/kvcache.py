@@ -217,8 +217,9 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_s
             the shapes (never from the lengths: no sync). The Triton backend only.
         backend: ``"auto"`` (Triton on CUDA, PyTorch elsewhere), ``"triton"`` or ``"torch"``.
         check_values: check ``cache_seqlens`` and the block table on the host (one device sync): lengths within
-            the capacity, pages read inside the cache. Inside ``torch.compile`` or CUDA graph capture they are
-            trusted; pass False in a decode loop whose cache is known good.
+            the capacity, pages read inside the cache; and an FP8 cache's descales (positive, finite). Inside
+            ``torch.compile`` or CUDA graph capture they are trusted; pass False in a decode loop whose cache is
+            known good.
         q_descale, k_descale, v_descale, out_dtype: an FP8 cache (``torch.float8_e4m3fn``, half the bytes a
             step reads), as in :func:`gstar.flash_attention`: descales ``(B, Hkv)`` or broadcastable, fixed
             per sequence (appended keys and values are quantised with them). q may be FP8 too (with
@@ -252,7 +253,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_s
     descale, out_dtype = fp8.check(q, cache.k, cache.v, q_descale=q_descale, k_descale=k_descale,
                                    v_descale=v_descale, out_dtype=out_dtype, sinks=sinks, scale=scale,
                                    batch=q.shape[0], kv_heads=cache.v.shape[-2 if cache.paged else 1],
-                                   backend=backend) or (None, None)
+                                   backend=backend, check_values=check_values) or (None, None)
     if check_values and not (torch.compiler.is_compiling() or _capturing(q.device)):
         check_cache_values(q, cache, cache_seqlens, appending, patterns)
     if appending:
