@@ -91,9 +91,10 @@ def dequantize(x: torch.Tensor, descale: torch.Tensor, cu_seqlens, dtype: torch.
 def check(q, k, v, *, q_descale, k_descale, v_descale, out_dtype, sinks, scale, batch: int, kv_heads: int,
           backend: str, check_values: bool = True) -> tuple[torch.Tensor, torch.dtype] | None:
     """The FP8 arguments of an attention call: None when k is not FP8 (then descales and out_dtype must be None
-    too); else (q FP8, or 16-bit against an FP8 cache) ``(descale, out_dtype)``, descale (batch, kv_heads, 3) float32 contiguous on q's
-    device: q's, k's and v's descales (what the kernels take). Their values are checked positive and finite
-    (one sync) unless ``check_values`` is False, torch.compile traces or a CUDA graph is being captured."""
+    too); else (q FP8, or 16-bit against an FP8 cache) ``(descale, out_dtype)``, descale (batch, kv_heads, 3)
+    float32 contiguous on q's device: q's, k's and v's descales (what the kernels take). Their values are
+    checked positive and finite (one sync) unless ``check_values`` is False, torch.compile traces or a CUDA
+    graph is being captured."""
     descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
     if k.dtype != FP8:
         given = [name for name, d in descales.items() if d is not None] + (["out_dtype"] if out_dtype else [])
