@@ -28,7 +28,7 @@ def parse(*argv):
     return build_parser().parse_args(["bench", *argv])
 
 
-def test_decode_suite_follows_the_issue():
+def test_decode_suite_follows_the_design():
     """The table's batch x cache lengths and GPT-OSS heads, both layer patterns, one query; each case again in
     pages of DECODE_PAGE keys; the GPT-OSS-20B step of 64 sequences of unequal lengths, in both layouts."""
     dec = suite("decode")
@@ -62,7 +62,7 @@ def test_decode_suite_shrinks_for_a_cpu():
 
 
 def test_decode_floor_is_the_visible_cache():
-    """bytes_moved of a decode step: every key and value some query sees, read once (the issue's floors at
+    """bytes_moved of a decode step: every key and value some query sees, read once (the floors at
     4.8 TB/s), the queries, outputs and LSE; FLOPs over the visible pairs alone."""
     q_out_lse = 2 * (2 * 64 * 64) + 4 * 64  # one query per head: q and out in bf16, lse in float32
     floors = {(1, 131072): 0.056, (1, 8192): 0.0035, (8, 32768): 0.112, (32, 4096): 0.056}
