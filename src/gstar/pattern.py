@@ -75,11 +75,12 @@ class Pattern:
             ok = ok & ((cols >= pos - self.left) | (cols < self.sink_tokens))
         return ok
 
-    def mask(self, device=None) -> torch.Tensor:
-        """The full ``(Nq, Nk)`` boolean mask (for oracles and tests only: it is quadratic)."""
+    def mask(self, device=None, nk=None) -> torch.Tensor:
+        """The full ``(Nq, Nk)`` boolean mask (for oracles and tests only: it is quadratic); ``nk`` as in
+        :meth:`visible` (a ``(B, 1, 1, 1)`` tensor of key counts gives ``(B, 1, Nq, Nk)``)."""
         rows = torch.arange(self.nq, device=device)[:, None]
         cols = torch.arange(self.nk, device=device)[None, :]
-        return self.visible(rows, cols)
+        return self.visible(rows, cols, nk)
 
     def visible_pairs(self) -> int:
         """The number of visible (i, j) pairs, counted per row in O(Nq) (for FLOP counts)."""

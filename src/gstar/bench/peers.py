@@ -186,7 +186,9 @@ class Eager(Peer):
         return None
 
     def build(self, case, device):
-        visible = _visible(case, device)                                 # (Nq, Nk), or (B, 1, Nq, Nk)
+        # a decode batch of unequal lengths: each sequence's rule on its own length, nothing past it
+        lengths = case.cache_seqlens(device).view(-1, 1, 1, 1) if case.decode and case.lengths else None
+        visible = case.pattern.mask(device, nk=lengths)                  # (Nq, Nk), or (B, 1, Nq, Nk)
         group = case.heads // case.kv_heads
         scale = case.head_dim ** -0.5
 
@@ -204,17 +206,6 @@ class Eager(Peer):
             probs = torch.softmax(scores, dim=-1, dtype=scores.dtype)
             return probs[..., :Nk] @ v                                   # (B, H, Nq, Dv)
         return eager
-
-
-def _visible(case: Case, device) -> torch.Tensor:
-    """The case's mask: ``(Nq, Nk)`` bool, or ``(B, 1, Nq, Nk)`` for a decode batch of unequal lengths (each
-    sequence's rule on its own length, nothing past it)."""
-    p = case.pattern
-    if not (case.decode and case.lengths):
-        return p.mask(device)
-    rows = torch.arange(p.nq, device=device)[:, None]                    # (Nq, 1)
-    cols = torch.arange(p.nk, device=device)[None, :]                    # (1, Nk)
-    return p.visible(rows, cols, nk=case.cache_seqlens(device).view(-1, 1, 1, 1))
 
 
 class Sdpa(Peer):

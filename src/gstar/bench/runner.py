@@ -106,7 +106,9 @@ def run_row(peer: Peer, case: Case, mode: str, inputs: dict, ref: dict, pt: dict
         return _row(peer, case, "n/a", reason)
     grads = mode != "fwd"
     try:
-        fn = functools.partial(peer.build(case, device), **fp8_descales(inputs))  # FP8: the descales too
+        fn = peer.build(case, device)
+        if case.fp8:
+            fn = functools.partial(fn, **fp8_descales(inputs))
         layout = _layout(peer.layout, case, device)
         view, back = layout[1], layout[2]
         leaves, views, dout_view = _leaves(inputs, layout, grads, case.paged)

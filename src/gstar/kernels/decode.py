@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..pattern import Pattern, cdiv
+from ..pattern import Pattern, cdiv, kv_blocks
 from .configs import capability_major, dot_precision, pad_head_dim
 from .forward import _softmax_step, finish_state, load_descales, start_state, widen_fp8
 from .launch import constexprs, launch
@@ -202,10 +202,11 @@ def _decode_plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: boo
     block_r = tile_rows(group * nq, width)
     block_n = block_keys(paged, block_size, width)
     row_tiles = cdiv(group * nq, block_r)
-    visible = capacity
-    if pattern.left >= 0:  # a window's band and the sink tokens, whatever the length
-        visible = min(capacity, pattern.left + nq + pattern.sink_tokens + 2 * block_n)
-    splits = num_splits or default_splits(B * Hkv * row_tiles, cdiv(visible, block_n), device)
+    # the blocks a full cache's queries see (the sink-token blocks and the band); at a shorter length a window's
+    # band may straddle one block more
+    sink_end, band_start, _, _, band_end = kv_blocks(pattern, 0, nq, block_n)
+    visible_blocks = sink_end + band_end - band_start + (pattern.left >= 0)
+    splits = num_splits or default_splits(B * Hkv * row_tiles, visible_blocks, device)
     stages = 3 if device.type == "cuda" and capability_major(device) >= 9 else 2  # Hopper: three tiles in flight
     return _DecodePlan(
         (splits, Hkv * row_tiles, B), splits,
