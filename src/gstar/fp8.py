@@ -132,8 +132,10 @@ def check(q, k, v, *, q_descale, k_descale, v_descale, out_dtype, sinks, scale, 
             raise ValueError(f"{name} must broadcast to ({batch}, {kv_heads}) (sequences, kv heads), got shape "
                              f"{tuple(d.shape)}") from None
     descale = torch.stack(full, dim=-1).contiguous()                                      # (batch, Hkv, 3)
-    capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if check_values and not (torch.compiler.is_compiling() or capturing):
+    # neither a graph being compiled nor a CUDA graph capture can read values on the host (compiling asks
+    # first: Dynamo cannot trace the capture query)
+    if check_values and not torch.compiler.is_compiling() and not (
+            q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         good = ((descale > 0) & descale.isfinite()).flatten(0, 1).all(0).tolist()  # one sync for all three
         bad = [name for name, ok in zip(descales, good) if not ok]
         if bad:
