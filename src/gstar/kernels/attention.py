@@ -3,7 +3,8 @@
 the dK/dV work table) so that a call costs a cache lookup, its output allocations and the launches.
 
 Nothing here reads a tensor's values or synchronises with the device, so every call can be captured in a
-CUDA graph; the kernels are in :mod:`.forward` and :mod:`.backward`, their tile tables in :mod:`.configs`,
+CUDA graph; the kernels are in :mod:`.forward` (with :mod:`.hopper`, the forward that sm_90 takes where it
+is faster) and :mod:`.backward`, their tile tables in :mod:`.configs`,
 the dK/dV work split in :mod:`.schedule`, the launches themselves in :mod:`.launch`.
 """
 
@@ -17,7 +18,7 @@ import torch
 
 from ..pattern import Pattern, cdiv, kv_block_table
 from .. import buffers
-from . import descriptors
+from . import descriptors, hopper
 from .backward import _dkdv, _dq, _sum_partials
 from .configs import BackwardConfig, backward_config, dot_precision, forward_config, pad_head_dim
 from .forward import _forward_kernel, tiles_fastest
@@ -104,6 +105,10 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
         # scale, or a zero scale, goes into a copy of q (in the kernel, a scaled Q tile would leave shared
         # memory for registers and cost every block of every call)
         q_in, scale = (-q, -scale) if scale < 0 else (q * 0.0, 1.0)
+    if config is None and descale is None and not varlen and hopper.supported(q_in, k, v, pattern):
+        lse = buffers.empty(q.shape[:3], dtype=torch.float32, device=q.device)    # (B, Hq, Nq)
+        hopper.forward(q_in, k, v, sinks, out, lse, pattern, scale)
+        return out, lse
     plan = _forward_plan(q_in.shape, q_in.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, pattern,
                          scale, cu_seqlens[0].shape[0] - 1 if varlen else None,
                          tuple(sorted(config.items())) if config else None, dot_precision(q.dtype))

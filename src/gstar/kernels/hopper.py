@@ -1,0 +1,288 @@
+"""The Hopper (sm_90) forward kernel, warp-specialised, in Gluon: one producer warp and two consumer
+warpgroups per program, the schedule of FlashAttention-3 (docs/hopper.md draws it).
+
+A program owns a 128-row Q tile of one query head: the producer warp copies the tile's Q (two 64-row halves)
+and then each visible K and V block into a ring of ``STAGES`` shared-memory slots with the tensor-memory
+copy engine (TMA), each copy completing on its slot's ``ready`` barrier; each consumer warpgroup owns one
+64-row half and, per block, issues Q K^T (``warpgroup_mma``, both operands in shared memory) and, before
+waiting for it, the previous block's P V (P from registers), so the tensor cores run this block's scores and
+the last block's products while the warpgroup does the softmax in between; it frees a slot by arriving on
+its ``empty`` barrier (two arrivals, one per warpgroup) once the product that read it has completed.
+
+The blocks a tile visits, and which of them need the mask, come from the same rule as every other kernel
+(:func:`gstar.kernels.ranges.kv_range` and :func:`gstar.kernels.ranges.visible`): sink-token blocks first,
+then the band, masked at its edges. :func:`supported` says which calls take this kernel: on sm_90 the
+dispatcher (:func:`gstar.kernels.attention.attention_forward`) prefers it where ``HEAD_DIMS`` says it was
+measured faster than the portable kernel (benchmarks/NOTES.md, 'Warp-specialised forward on Hopper').
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ..pattern import Pattern, cdiv
+from .forward import tiles_fastest
+from .ranges import kv_range, visible
+
+LOG2E = gl.constexpr(math.log2(math.e))
+ROWS = gl.constexpr(64)  # query rows per consumer warpgroup: wgmma's M
+BLOCK_M = gl.constexpr(128)  # rows per program: two consumers
+BLOCK_N = gl.constexpr(128)  # keys per block
+STAGES = gl.constexpr(2)  # K and V slots each: 2 x 2 x 32 KB at D = 128, beside 32 KB of Q
+# head dims (D = Dv) where this kernel beat the portable one in `scripts/bench` runs on an H200; D = 64
+# stays on the portable kernel, whose two resident programs per SM hide the softmax as well (NOTES)
+HEAD_DIMS = (128,)
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+@gluon.jit
+def _block_range(row0, Nq, Nk, left, right, sink_tokens, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """The tile's steps: ``(n_sink, band_start, lead_end, full_end, n)``: step ``i`` visits block ``i`` while
+    ``i < n_sink`` (the sink-token blocks), then block ``i - n_sink + band_start``; steps ``[lead_end,
+    full_end)`` are the band's unmasked interior; ``n`` steps in all."""
+    sink_end, band_start, full_start, full_end, band_end = kv_range(
+        row0, Nq, Nk, left, right, sink_tokens, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    return (sink_end, band_start, sink_end + full_start - band_start, sink_end + full_end - band_start,
+            sink_end + band_end - band_start)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, shared, b, h, h_kv, row0, pattern, HAS_LEFT: gl.constexpr,
+              HAS_RIGHT: gl.constexpr):
+    """One warp: Q once, then K and V of every step into slot ``step % STAGES``, each waiting until both
+    consumers have freed the slot (a fresh barrier counts as freed: the first wait is on phase 1).
+    shared: the kernel's buffers and barriers; pattern: ``(Nq, Nk, left, right, sink_tokens)``."""
+    q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty = shared
+    Nq, Nk, left, right, sink_tokens = pattern
+    mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, h, row0, 0], q_ready, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [b, h, row0 + ROWS, 0], q_ready, q_smem.index(1))
+    n_sink, band_start, lead_end, full_end, n = _block_range(row0, Nq, Nk, left, right, sink_tokens,
+                                                             HAS_LEFT, HAS_RIGHT)
+    for i in range(n):
+        start = gl.where(i < n_sink, i, i - n_sink + band_start) * BLOCK_N
+        slot = i % STAGES
+        phase = (i // STAGES) & 1
+        mbarrier.wait(k_empty.index(slot), phase ^ 1)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, h_kv, start, 0], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase ^ 1)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [b, h_kv, start, 0], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _issue_scores(q, k_smem, k_ready, i, s_zero):
+    """Start step i's ``Q K^T`` (64, BLOCK_N) once its K has landed; returns the product in flight."""
+    mbarrier.wait(k_ready.index(i % STAGES), (i // STAGES) & 1)
+    k = k_smem.index(i % STAGES).reshape([k_smem.shape[3], k_smem.shape[4]])  # (BLOCK_N, D)
+    return warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _issue_values(p, acc, v_smem, v_ready, i):
+    """Start ``acc += P V`` of step i once its V has landed; returns the accumulator in flight."""
+    mbarrier.wait(v_ready.index(i % STAGES), (i // STAGES) & 1)
+    v = v_smem.index(i % STAGES).reshape([v_smem.shape[3], v_smem.shape[4]])  # (BLOCK_N, D)
+    return warpgroup_mma(p, v, acc, is_async=True)
+
+
+@gluon.jit
+def _operand(p, acc, dtype: gl.constexpr):
+    """P (64, BLOCK_N) float32 as the register A operand of ``P V`` into ``acc``. P stays float32 between
+    steps: carried in the operand's packed 16-bit layout across the loop, it cost two byte permutes per
+    register every step (benchmarks/NOTES.md)."""
+    return gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2))
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, rows, cols, qk_scale, Nq, Nk, left, right, sink_tokens,
+             HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK_TOKENS: gl.constexpr,
+             MASKED: gl.constexpr, MAY_BE_EMPTY: gl.constexpr):
+    """One block's online-softmax update, as the portable kernel's (:func:`gstar.kernels.forward._softmax_step`)
+    but returning the rescale factor ``alpha`` instead of applying it: the accumulator is still in flight.
+    s: (64, BLOCK_N) raw scores; m_i, l_i, rows: (64,); cols: (BLOCK_N,). Returns ``(p, alpha, m_i, l_i)``."""
+    if MASKED:
+        ok = visible(rows[:, None], cols[None, :], Nq, Nk, left, right, sink_tokens,
+                     HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)
+        s = gl.where(ok, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    if MASKED and MAY_BE_EMPTY:
+        shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp2 gives 0, not NaN
+    else:
+        shift = m_new
+    alpha = gl.exp2(m_i - shift)
+    p = gl.exp2(s * qk_scale - shift[:, None])
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _steps(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, lo, hi, n_sink, band_start, acc, m_i, l_i,
+           p, rows, s_zero, qk_scale, Nq, Nk, left, right, sink_tokens,
+           HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK_TOKENS: gl.constexpr, MASKED: gl.constexpr,
+           MAY_BE_EMPTY: gl.constexpr, DTYPE: gl.constexpr):
+    """Steps ``[lo, hi)``, each ``i`` entered with step i-1's weights ``p`` (float32, not yet multiplied):
+    issue ``Q K_i^T``, then ``P_{i-1} V_{i-1}`` (P in ``DTYPE``, V's); wait for the scores alone (one group
+    may stay in flight), free K_i, run the softmax while the product runs, wait for it, free V_{i-1},
+    rescale the accumulator."""
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_zero.type.layout)
+    acc_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    for i in range(lo, hi):
+        s = _issue_scores(q, k_smem, k_ready, i, s_zero)
+        acc = _issue_values(_operand(p, acc, DTYPE), acc, v_smem, v_ready, i - 1)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+        mbarrier.arrive(k_empty.index(i % STAGES), count=1)
+        block = gl.where(i < n_sink, i, i - n_sink + band_start)
+        cols = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, rows, cols, qk_scale, Nq, Nk, left, right, sink_tokens,
+                                      HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, MASKED, MAY_BE_EMPTY)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(v_empty.index((i - 1) % STAGES), count=1)
+        acc = acc * gl.convert_layout(alpha, acc_rows)[:, None]
+    return acc, m_i, l_i, p
+
+
+@gluon.jit
+def _consumer(o_desc, Lse, Sinks, shared, b, h, row0, half, pattern, qk_scale, stride_lse_b, stride_lse_h,
+              HEAD_DIM: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+              HAS_SINK_TOKENS: gl.constexpr):
+    """One warpgroup: rows ``row0 + half * 64 ...`` of the tile, from Q in shared memory to Out (through
+    its Q slot and a TMA store) and the natural-log LSE. shared, pattern: as :func:`_producer` takes them."""
+    q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty = shared
+    Nq, Nk, left, right, sink_tokens = pattern
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    MAY_BE_EMPTY: gl.constexpr = Sinks is None
+
+    n_sink, band_start, lead_end, full_end, n = _block_range(row0, Nq, Nk, left, right, sink_tokens,
+                                                             HAS_LEFT, HAS_RIGHT)
+    q = q_smem.index(half).reshape([ROWS, HEAD_DIM])
+    rows = row0 + half * ROWS + gl.arange(0, ROWS, layout=row_layout)  # (64,) query positions
+    if Sinks is not None:  # exp2(m) * l = exp(sink): the sink starts the sum, with no value to carry
+        m_i = gl.load(Sinks + h + rows * 0) * LOG2E
+        l_i = gl.full([ROWS], 1.0, gl.float32, layout=row_layout)
+    else:
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
+        l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_layout)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)  # (64, D)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)  # (64, BLOCK_N)
+    mbarrier.wait(q_ready, 0)
+    if n > 0:
+        # step 0 alone (masked): every later step issues its scores ahead of the last step's P V
+        s = _issue_scores(q, k_smem, k_ready, 0, s_zero)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        first = gl.where(n_sink > 0, 0, band_start)
+        cols = first * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, rows, cols, qk_scale, Nq, Nk, left, right, sink_tokens,
+                                      HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True, MAY_BE_EMPTY)
+        # the sink-token blocks and the band's leading edge, its interior, its trailing edge
+        bounds = (1, lead_end, full_end, n)
+        for segment in gl.static_range(3):
+            acc, m_i, l_i, p = _steps(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                                      gl.maximum(bounds[segment], 1), bounds[segment + 1], n_sink, band_start,
+                                      acc, m_i, l_i, p, rows, s_zero, qk_scale, Nq, Nk, left, right, sink_tokens,
+                                      HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, segment != 1, MAY_BE_EMPTY,
+                                      v_smem.dtype)
+        acc = _issue_values(_operand(p, acc, v_smem.dtype), acc, v_smem, v_ready, n - 1)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(v_empty.index((n - 1) % STAGES), count=1)
+    empty = l_i == 0.0  # no key and no sink: zeros and LSE -inf
+    l_safe = gl.where(empty, 1.0, l_i)
+    out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
+    q.store(out.to(o_desc.dtype))  # Q's slot is free: the output leaves through it
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, h, row0 + half * ROWS, 0], q_smem.index(half))
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) / LOG2E)
+    gl.store(Lse + b * stride_lse_b + h * stride_lse_h + rows, lse, mask=rows < Nq)
+    tma.store_wait(0)
+
+
+# lengths and window bounds change from call to call and only enter loop bounds and masks (as in the
+# portable kernel): no recompilation for new lengths
+@gluon.jit(do_not_specialize=["Nq", "Nk", "left", "right", "sink_tokens"])
+def _forward_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Sinks, Nq, Nk, group, left, right, sink_tokens,
+                    qk_scale, stride_lse_b, stride_lse_h, HEAD_DIM: gl.constexpr, HAS_LEFT: gl.constexpr,
+                    HAS_RIGHT: gl.constexpr, HAS_SINK_TOKENS: gl.constexpr):
+    """Grid ``(Hq, cdiv(Nq, 128), B)``, its first two axes swapped where :func:`tiles_fastest`.
+
+    q_desc, o_desc: descriptors over (B, Hq, Nq, D) moving (1, 1, 64, D) tiles; k_desc, v_desc: over
+    (B, Hkv, Nk, D) moving (1, 1, BLOCK_N, D); Lse: (B, Hq, Nq) float32 with unit row stride; Sinks: None
+    or (Hq,) float32; Hkv = Hq // group; qk_scale = scale * log2(e) > 0; the pattern scalars as in
+    :func:`gstar.kernels.forward._forward_kernel`.
+    """
+    HEAD_AXIS: gl.constexpr = 1 if tiles_fastest(HAS_LEFT, HAS_RIGHT) else 0
+    h = gl.program_id(HEAD_AXIS)
+    tile = gl.num_programs(1 - HEAD_AXIS) - 1 - gl.program_id(1 - HEAD_AXIS)  # longest rows first
+    b = gl.program_id(2)
+    row0 = tile * BLOCK_M
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for slot in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(slot), count=1)  # the producer's expect + the copy's bytes
+        mbarrier.init(k_empty.index(slot), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(v_ready.index(slot), count=1)
+        mbarrier.init(v_empty.index(slot), count=2)
+
+    shared = (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty)
+    pattern = (Nq, Nk, left, right, sink_tokens)
+    # the default partition (this program's 4 warps) and a second 4-warp partition consume; a 1-warp
+    # partition produces. Registers per thread: 240 for consumers, 24 for the producer (launch's maxnreg)
+    gl.warp_specialize([
+        (_consumer, (o_desc, Lse, Sinks, shared, b, h, row0, 0, pattern, qk_scale, stride_lse_b, stride_lse_h,
+                     HEAD_DIM, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)),
+        (_consumer, (o_desc, Lse, Sinks, shared, b, h, row0, 1, pattern, qk_scale, stride_lse_b, stride_lse_h,
+                     HEAD_DIM, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)),
+        (_producer, (q_desc, k_desc, v_desc, shared, b, h, h // group, row0, pattern, HAS_LEFT, HAS_RIGHT)),
+    ], [4, 1], [240, 24])
+
+
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern) -> bool:
+    """Whether this kernel serves a dense 16-bit call on q's device: Hopper, a head dim of ``HEAD_DIMS``
+    (D = Dv), full or causal attention (no left bound: the window layers stay on the portable kernel,
+    which beats every peer there), at least one full Q tile, and operands a TMA descriptor can read."""
+    from . import configs, descriptors  # configs asks the device once
+    return (q.is_cuda and configs.capability_major(q.device) == 9 and q.dtype in _GL_DTYPES
+            and q.shape[3] in HEAD_DIMS and v.shape[3] == q.shape[3] and pattern.left < 0
+            and pattern.right in (-1, 0) and pattern.nq >= BLOCK_M.value and descriptors.supported(q, k, v))
+
+
+def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A descriptor over ``t`` (B, H, N, D) moving (1, 1, rows, D) tiles, swizzled for wgmma."""
+    block = [1, 1, rows, t.shape[3]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def forward(q, k, v, sinks, out, lse, pattern: Pattern, scale: float) -> None:
+    """Fill ``out`` (B, Hq, Nq, D) and ``lse`` (B, Hq, Nq) float32 for a call :func:`supported` accepts;
+    q: (B, Hq, Nq, D), k, v: (B, Hkv, Nk, D); sinks: None or (Hq,) float32; scale > 0."""
+    B, Hq, Nq, D = q.shape
+    tiles = cdiv(Nq, BLOCK_M.value)
+    has_left, has_right = pattern.left >= 0, pattern.right >= 0
+    grid = (tiles, Hq, B) if tiles_fastest(has_left, has_right) else (Hq, tiles, B)
+    _forward_kernel[grid](
+        _descriptor(q, ROWS.value), _descriptor(k, BLOCK_N.value), _descriptor(v, BLOCK_N.value),
+        _descriptor(out, ROWS.value), lse, sinks,
+        Nq, k.shape[2], Hq // k.shape[1], max(pattern.left, 0), max(pattern.right, 0), pattern.sink_tokens,
+        scale * LOG2E.value, lse.stride(0), lse.stride(1), HEAD_DIM=D, HAS_LEFT=has_left, HAS_RIGHT=has_right,
+        HAS_SINK_TOKENS=pattern.sink_tokens > 0, num_warps=4, maxnreg=168)
