@@ -25,14 +25,16 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
 hopper_only = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100 / H200)")
 
 
-def _compile_sm90(D: int, causal: bool, with_sinks: bool):
+def _compile_sm90(D: int, causal: bool, with_sinks: bool, packed: bool):
     """The kernel compiled for sm_90a as a launch would specialise it, on meta tensors (no GPU)."""
     B, H, N = 1, 2, 256
     q, k, v, o = (torch.empty(B, N, H, D, dtype=torch.bfloat16, device="meta").transpose(1, 2) for _ in range(4))
     lse = torch.empty(B, H, N, device="meta")
     sinks = torch.empty(H, device="meta") if with_sinks else None
+    cu = torch.empty(3, dtype=torch.int32, device="meta") if packed else None
     args = (hopper._descriptor(q, 64), hopper._descriptor(k, 128), hopper._descriptor(v, 128),
-            hopper._descriptor(o, 64), lse, sinks, N, N, 1, 0, 0, 0, 0.125, lse.stride(0), lse.stride(1))
+            hopper._descriptor(o, 64), o if packed else None, lse, sinks, cu, cu, N, N, 1, 0, 0, 0, 0.125,
+            (o.stride(1), o.stride(2)), (lse.stride(0), lse.stride(1)))
     kwargs = dict(HEAD_DIM=D, HAS_LEFT=False, HAS_RIGHT=causal, HAS_SINK_TOKENS=False, num_warps=4, maxnreg=168)
     target = GPUTarget("cuda", 90, 32)
     fn = hopper._forward_kernel
@@ -44,13 +46,13 @@ def _compile_sm90(D: int, causal: bool, with_sinks: bool):
                           options=options.__dict__)
 
 
-@pytest.mark.parametrize("D,causal,with_sinks", [(128, True, True), (64, False, False)])
-def test_compiles_warp_specialised_for_sm90(D, causal, with_sinks):
+@pytest.mark.parametrize("D,causal,with_sinks,packed", [(128, True, True, False), (64, False, False, True)])
+def test_compiles_warp_specialised_for_sm90(D, causal, with_sinks, packed):
     """The PTX has the schedule the module describes: register hand-over between partitions, tensor-memory
     copies completing on mbarriers, asynchronous warpgroup MMAs. A fresh process compiles it: this one may
     run Triton's interpreter, which Gluon kernels cannot call into."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, __file__, str(D), str(int(causal)), str(int(with_sinks))], env=env,
+    run = subprocess.run([sys.executable, __file__, *(str(int(x)) for x in (D, causal, with_sinks, packed))], env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     for instruction in ("setmaxnreg.dec", "setmaxnreg.inc", "cp.async.bulk.tensor", "mbarrier.try_wait",
@@ -102,6 +104,36 @@ def test_gpu_both_kernels_within_bar(D, dtype, Nq, Nk, causal, with_sinks):
 
 @pytest.mark.gpu
 @hopper_only
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_gpu_packed_sequences(D, causal, with_sinks):
+    """Packed sequences of odd, unequal lengths (a longest one of 300 rows, one shorter than a tile, Nq != Nk
+    both ways): each sequence within the bar against its own oracle, for both kernels; no row of one
+    sequence written by another's tile (the output starts as NaN)."""
+    lengths_q, lengths_k = [300, 77, 129, 1], [300, 200, 64, 129]
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lengths_q), 8, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lengths_k), 2, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    sinks = torch.randn(8, device="cuda") if with_sinks else None
+    view = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731 - (1, H, total, D), as ops passes them
+    pattern = Pattern.make(max(lengths_q), max(lengths_k), causal=causal)
+    out = torch.full_like(view(q), float("nan"))
+    lse = torch.full((1, 8, q.shape[0]), float("nan"), device="cuda")
+    hopper.forward(view(q), view(k), view(v), sinks, out, lse, pattern, D ** -0.5, (cu_q, cu_k))
+    portable = attention_forward(view(q), view(k), view(v), sinks, pattern, D ** -0.5, config={},
+                                 cu_seqlens=(cu_q, cu_k))
+    for s, (nq, nk) in enumerate(zip(lengths_q, lengths_k)):
+        rows, keys = slice(cu_q[s], cu_q[s] + nq), slice(cu_k[s], cu_k[s] + nk)
+        seq = Pattern.make(nq, nk, causal=causal)
+        args = (view(q)[:, :, rows], view(k)[:, :, keys], view(v)[:, :, keys], sinks, seq)
+        _check(out[:, :, rows], lse[:, :, rows], *args)
+        _check(portable[0][:, :, rows], portable[1][:, :, rows], *args)
+
+
+@pytest.mark.gpu
+@hopper_only
 @pytest.mark.parametrize("D,Nq,causal,window,dtype,expected", [
     (128, 1000, True, (-1, -1), torch.bfloat16, True),
     (128, 1000, False, (-1, -1), torch.float16, True),
@@ -123,4 +155,4 @@ hopper_forward = hopper.forward
 
 
 if __name__ == "__main__":  # the compile of test_compiles_warp_specialised_for_sm90: print the PTX
-    print(_compile_sm90(int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3] == "1").asm["ptx"])
+    print(_compile_sm90(int(sys.argv[1]), *(a == "1" for a in sys.argv[2:5])).asm["ptx"])

@@ -1,7 +1,7 @@
 """The Hopper (sm_90) forward kernel, warp-specialised, in Gluon: one producer warp and two consumer
 warpgroups per program, the schedule of FlashAttention-3 (docs/hopper.md draws it).
 
-A program owns a 128-row Q tile of one query head: the producer warp copies the tile's Q (two 64-row halves)
+A program owns a 128-row Q tile of one query head (of one sequence, when packed): the producer warp copies the tile's Q (two 64-row halves)
 and then each visible K and V block into a ring of ``STAGES`` shared-memory slots with the tensor-memory
 copy engine (TMA), each copy completing on its slot's ``ready`` barrier; each consumer warpgroup owns one
 64-row half and, per block, issues Q K^T (``warpgroup_mma``, both operands in shared memory) and, before
@@ -30,7 +30,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..pattern import Pattern, cdiv
 from .forward import tiles_fastest
-from .ranges import kv_range, visible
+from .ranges import kv_range, sequence_bounds, visible
 
 LOG2E = gl.constexpr(math.log2(math.e))
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup: wgmma's M
@@ -55,28 +55,29 @@ def _block_range(row0, Nq, Nk, left, right, sink_tokens, HAS_LEFT: gl.constexpr,
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, shared, b, h, h_kv, row0, pattern, HAS_LEFT: gl.constexpr,
-              HAS_RIGHT: gl.constexpr):
+def _producer(q_desc, k_desc, v_desc, shared, batch, h, h_kv, row0, q_start, k_start, pattern,
+              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
     """One warp: Q once, then K and V of every step into slot ``step % STAGES``, each waiting until both
     consumers have freed the slot (a fresh barrier counts as freed: the first wait is on phase 1).
-    shared: the kernel's buffers and barriers; pattern: ``(Nq, Nk, left, right, sink_tokens)``."""
+    shared: the kernel's buffers and barriers; batch: the descriptors' first coordinate; q_start, k_start:
+    the sequence's first row (0 unless packed); pattern: ``(Nq, Nk, left, right, sink_tokens)`` of it."""
     q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty = shared
     Nq, Nk, left, right, sink_tokens = pattern
     mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [b, h, row0, 0], q_ready, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [b, h, row0 + ROWS, 0], q_ready, q_smem.index(1))
+    tma.async_copy_global_to_shared(q_desc, [batch, h, q_start + row0, 0], q_ready, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [batch, h, q_start + row0 + ROWS, 0], q_ready, q_smem.index(1))
     n_sink, band_start, lead_end, full_end, n = _block_range(row0, Nq, Nk, left, right, sink_tokens,
                                                              HAS_LEFT, HAS_RIGHT)
     for i in range(n):
-        start = gl.where(i < n_sink, i, i - n_sink + band_start) * BLOCK_N
+        start = k_start + gl.where(i < n_sink, i, i - n_sink + band_start) * BLOCK_N
         slot = i % STAGES
         phase = (i // STAGES) & 1
         mbarrier.wait(k_empty.index(slot), phase ^ 1)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, h_kv, start, 0], k_ready.index(slot), k_smem.index(slot))
+        tma.async_copy_global_to_shared(k_desc, [batch, h_kv, start, 0], k_ready.index(slot), k_smem.index(slot))
         mbarrier.wait(v_empty.index(slot), phase ^ 1)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b, h_kv, start, 0], v_ready.index(slot), v_smem.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [batch, h_kv, start, 0], v_ready.index(slot), v_smem.index(slot))
 
 
 @gluon.jit
@@ -151,11 +152,13 @@ def _steps(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, lo, hi, n_sink
 
 
 @gluon.jit
-def _consumer(o_desc, Lse, Sinks, shared, b, h, row0, half, pattern, qk_scale, stride_lse_b, stride_lse_h,
-              HEAD_DIM: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+def _consumer(o_desc, Out, Lse, Sinks, shared, batch, h, row0, q_start, half, pattern, qk_scale, stride_o,
+              stride_lse, HEAD_DIM: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
               HAS_SINK_TOKENS: gl.constexpr):
-    """One warpgroup: rows ``row0 + half * 64 ...`` of the tile, from Q in shared memory to Out (through
-    its Q slot and a TMA store) and the natural-log LSE. shared, pattern: as :func:`_producer` takes them."""
+    """One warpgroup: rows ``row0 + half * 64 ...`` of the tile, from Q in shared memory to the output and
+    the natural-log LSE. Dense (Out None): the output leaves through the warpgroup's Q slot and a TMA store,
+    which clips rows past Nq. Packed: masked stores to Out, since the rows past this sequence's end are the
+    next sequence's. shared, batch, q_start, pattern: as :func:`_producer` takes them."""
     q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty = shared
     Nq, Nk, left, right, sink_tokens = pattern
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -201,32 +204,52 @@ def _consumer(o_desc, Lse, Sinks, shared, b, h, row0, half, pattern, qk_scale, s
     empty = l_i == 0.0  # no key and no sink: zeros and LSE -inf
     l_safe = gl.where(empty, 1.0, l_i)
     out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
-    q.store(out.to(o_desc.dtype))  # Q's slot is free: the output leaves through it
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [b, h, row0 + half * ROWS, 0], q_smem.index(half))
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) / LOG2E)
-    gl.store(Lse + b * stride_lse_b + h * stride_lse_h + rows, lse, mask=rows < Nq)
-    tma.store_wait(0)
+    gl.store(Lse + batch * stride_lse[0] + h * stride_lse[1] + q_start + rows, lse, mask=rows < Nq)
+    if Out is None:
+        q.store(out.to(o_desc.dtype))  # Q's slot is free: the output leaves through it
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [batch, h, q_start + row0 + half * ROWS, 0], q_smem.index(half))
+        tma.store_wait(0)
+    else:
+        out_rows = row0 + half * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))  # (64,)
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # (D,)
+        offsets = h * stride_o[0] + (q_start + out_rows).to(gl.int64) * stride_o[1]  # (64,)
+        gl.store(Out + offsets[:, None] + cols[None, :], out.to(Out.dtype.element_ty),
+                 mask=(out_rows < Nq)[:, None])
 
 
 # lengths and window bounds change from call to call and only enter loop bounds and masks (as in the
 # portable kernel): no recompilation for new lengths
 @gluon.jit(do_not_specialize=["Nq", "Nk", "left", "right", "sink_tokens"])
-def _forward_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Sinks, Nq, Nk, group, left, right, sink_tokens,
-                    qk_scale, stride_lse_b, stride_lse_h, HEAD_DIM: gl.constexpr, HAS_LEFT: gl.constexpr,
+def _forward_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sinks, CuQ, CuK, Nq, Nk, group, left, right,
+                    sink_tokens, qk_scale, stride_o, stride_lse, HEAD_DIM: gl.constexpr, HAS_LEFT: gl.constexpr,
                     HAS_RIGHT: gl.constexpr, HAS_SINK_TOKENS: gl.constexpr):
-    """Grid ``(Hq, cdiv(Nq, 128), B)``, its first two axes swapped where :func:`tiles_fastest`.
+    """Grid ``(Hq, n_tiles, B)``, its first two axes swapped where :func:`tiles_fastest`.
 
-    q_desc, o_desc: descriptors over (B, Hq, Nq, D) moving (1, 1, 64, D) tiles; k_desc, v_desc: over
-    (B, Hkv, Nk, D) moving (1, 1, BLOCK_N, D); Lse: (B, Hq, Nq) float32 with unit row stride; Sinks: None
-    or (Hq,) float32; Hkv = Hq // group; qk_scale = scale * log2(e) > 0; the pattern scalars as in
-    :func:`gstar.kernels.forward._forward_kernel`.
+    Dense (CuQ, CuK, Out None): q_desc, o_desc: descriptors over (B, Hq, Nq, D) moving (1, 1, 64, D) tiles;
+    k_desc, v_desc: over (B, Hkv, Nk, D) moving (1, 1, BLOCK_N, D); Lse: (B, Hq, Nq) float32, unit row stride;
+    n_tiles = cdiv(Nq, 128). Packed (CuQ, CuK: (B + 1,) int32): axis 2 is the sequence s, rows
+    ``CuQ[s] .. CuQ[s + 1]`` of the (1, Hq, total_q, D) view under q_desc and keys ``CuK[s] .. CuK[s + 1]``
+    of k_desc's and v_desc's (1, Hkv, total_k, D) views; Out: that (1, Hq, total_q, D) view (o_desc
+    unused), ``stride_o`` its (head, row) strides; Lse: (1, Hq, total_q); n_tiles covers the longest
+    sequence (a shorter one's extra tiles exit at once); Nq, Nk unused. ``stride_lse``: Lse's (batch, head)
+    strides. Sinks: None or (Hq,) float32; Hkv = Hq // group; qk_scale = scale * log2(e) > 0; the pattern
+    scalars as in :func:`gstar.kernels.forward._forward_kernel`.
     """
+    VARLEN: gl.constexpr = CuQ is not None
     HEAD_AXIS: gl.constexpr = 1 if tiles_fastest(HAS_LEFT, HAS_RIGHT) else 0
     h = gl.program_id(HEAD_AXIS)
     tile = gl.num_programs(1 - HEAD_AXIS) - 1 - gl.program_id(1 - HEAD_AXIS)  # longest rows first
     b = gl.program_id(2)
     row0 = tile * BLOCK_M
+    q_start, Nq = sequence_bounds(CuQ, b, Nq, VARLEN)
+    k_start, Nk = sequence_bounds(CuK, b, Nk, VARLEN)
+    batch = b
+    if VARLEN:
+        batch = 0  # one packed batch row; the sequence is found through CuQ and CuK
+        if row0 >= Nq:  # tiles past a shorter sequence
+            return
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -248,18 +271,20 @@ def _forward_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Sinks, Nq, Nk, group, l
     # the default partition (this program's 4 warps) and a second 4-warp partition consume; a 1-warp
     # partition produces. Registers per thread: 240 for consumers, 24 for the producer (launch's maxnreg)
     gl.warp_specialize([
-        (_consumer, (o_desc, Lse, Sinks, shared, b, h, row0, 0, pattern, qk_scale, stride_lse_b, stride_lse_h,
-                     HEAD_DIM, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)),
-        (_consumer, (o_desc, Lse, Sinks, shared, b, h, row0, 1, pattern, qk_scale, stride_lse_b, stride_lse_h,
-                     HEAD_DIM, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)),
-        (_producer, (q_desc, k_desc, v_desc, shared, b, h, h // group, row0, pattern, HAS_LEFT, HAS_RIGHT)),
+        (_consumer, (o_desc, Out, Lse, Sinks, shared, batch, h, row0, q_start, 0, pattern, qk_scale, stride_o,
+                     stride_lse, HEAD_DIM, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)),
+        (_consumer, (o_desc, Out, Lse, Sinks, shared, batch, h, row0, q_start, 1, pattern, qk_scale, stride_o,
+                     stride_lse, HEAD_DIM, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)),
+        (_producer, (q_desc, k_desc, v_desc, shared, batch, h, h // group, row0, q_start, k_start, pattern,
+                     HAS_LEFT, HAS_RIGHT)),
     ], [4, 1], [240, 24])
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern) -> bool:
-    """Whether this kernel serves a dense 16-bit call on q's device: Hopper, a head dim of ``HEAD_DIMS``
-    (D = Dv), full or causal attention (no left bound: the window layers stay on the portable kernel,
-    which beats every peer there), at least one full Q tile, and operands a TMA descriptor can read."""
+    """Whether this kernel serves a 16-bit call on q's device (dense, or the heads-first views of packed
+    sequences): Hopper, a head dim of ``HEAD_DIMS`` (D = Dv), full or causal attention (no left bound: the
+    window layers stay on the portable kernel, which beats every peer there), at least one full Q tile (the
+    longest sequence's, when packed), and operands a TMA descriptor can read."""
     from . import configs, descriptors  # configs asks the device once
     return (q.is_cuda and configs.capability_major(q.device) == 9 and q.dtype in _GL_DTYPES
             and q.shape[3] in HEAD_DIMS and v.shape[3] == q.shape[3] and pattern.left < 0
@@ -273,16 +298,21 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-def forward(q, k, v, sinks, out, lse, pattern: Pattern, scale: float) -> None:
-    """Fill ``out`` (B, Hq, Nq, D) and ``lse`` (B, Hq, Nq) float32 for a call :func:`supported` accepts;
-    q: (B, Hq, Nq, D), k, v: (B, Hkv, Nk, D); sinks: None or (Hq,) float32; scale > 0."""
-    B, Hq, Nq, D = q.shape
-    tiles = cdiv(Nq, BLOCK_M.value)
+def forward(q, k, v, sinks, out, lse, pattern: Pattern, scale: float, cu_seqlens=None) -> None:
+    """Fill ``out`` and ``lse`` for a call :func:`supported` accepts. Dense: q, out: (B, Hq, Nq, D), k, v:
+    (B, Hkv, Nk, D), lse: (B, Hq, Nq) float32. Packed (``cu_seqlens = (cu_q, cu_k)``, (B + 1,) int32): the
+    heads-first views q, out: (1, Hq, total_q, D), k, v: (1, Hkv, total_k, D), lse: (1, Hq, total_q), and
+    ``pattern`` carries the longest lengths. sinks: None or (Hq,) float32; scale > 0."""
+    B, Hq, _, D = q.shape
+    cu_q, cu_k = cu_seqlens or (None, None)
+    seqs = B if cu_q is None else cu_q.shape[0] - 1
+    tiles = cdiv(pattern.nq, BLOCK_M.value)
     has_left, has_right = pattern.left >= 0, pattern.right >= 0
-    grid = (tiles, Hq, B) if tiles_fastest(has_left, has_right) else (Hq, tiles, B)
+    grid = (tiles, Hq, seqs) if tiles_fastest(has_left, has_right) else (Hq, tiles, seqs)
     _forward_kernel[grid](
         _descriptor(q, ROWS.value), _descriptor(k, BLOCK_N.value), _descriptor(v, BLOCK_N.value),
-        _descriptor(out, ROWS.value), lse, sinks,
-        Nq, k.shape[2], Hq // k.shape[1], max(pattern.left, 0), max(pattern.right, 0), pattern.sink_tokens,
-        scale * LOG2E.value, lse.stride(0), lse.stride(1), HEAD_DIM=D, HAS_LEFT=has_left, HAS_RIGHT=has_right,
-        HAS_SINK_TOKENS=pattern.sink_tokens > 0, num_warps=4, maxnreg=168)
+        _descriptor(out, ROWS.value), None if cu_q is None else out, lse, sinks, cu_q, cu_k, q.shape[2],
+        k.shape[2], Hq // k.shape[1], max(pattern.left, 0), max(pattern.right, 0), pattern.sink_tokens,
+        scale * LOG2E.value, (out.stride(1), out.stride(2)), (lse.stride(0), lse.stride(1)), HEAD_DIM=D,
+        HAS_LEFT=has_left, HAS_RIGHT=has_right, HAS_SINK_TOKENS=pattern.sink_tokens > 0, num_warps=4,
+        maxnreg=168)
