@@ -41,6 +41,24 @@ def test_gpt_oss_kernels_compile_without_spills(case, flags, kernels):
     assert loops and all(int(re.search(r"(\d+) HGMMA", l).group(1)) > 0 for l in loops), loops
 
 
+@pytest.mark.parametrize("case,flags", [("D128 causal", []), ("D128 full", ["--varlen"])])
+def test_hopper_forward_is_warp_specialised(case, flags):
+    """gstar.kernels.hopper (Gluon) compiles for sm_90a: 12 warps (two consumer warpgroups and the producer's),
+    no spills, every attention loop on the tensor cores."""
+    result = _run("--case", case, "--hopper", *flags)
+    assert result.returncode == 0, result.stderr[-2000:]
+    line = next(l for l in result.stdout.splitlines() if l.startswith("_forward_kernel:"))
+    assert "12 warps" in line and re.search(r"spills 0 / 0 bytes", line), line
+    loops = [l for l in result.stdout.splitlines()
+             if "loop of" in l and int(re.search(r"(\d+) MUFU", l).group(1)) > 2]  # not the epilogue
+    assert loops and all(int(re.search(r"(\d+) HGMMA", l).group(1)) > 0 for l in loops), loops
+
+
+def test_hopper_refuses_a_case_it_does_not_serve():
+    result = _run("--case", "D64 window", "--hopper")
+    assert result.returncode != 0 and "does not serve" in result.stderr
+
+
 def test_unknown_case_is_refused():
     result = _run("--case", "no such case")
     assert result.returncode != 0 and "no case label contains" in result.stderr

@@ -86,7 +86,8 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
     pattern inside the kernel, with nothing read on the host.
     float16/bfloat16/float32, any strides with unit last stride (never copied). sinks: None or (Hq,)
     float32, unscaled. scale: any finite float. ``config`` overrides :func:`forward_config` (same keys;
-    missing switches take its defaults), for tests and tuning; ``PACK_GQA`` is a request that shrinks to the
+    missing switches take its defaults), for tests and tuning, and keeps the portable kernel where sm_90 would
+    take :mod:`.hopper`'s; ``PACK_GQA`` is a request that shrinks to the
     largest power of two dividing the GQA group.
 
     FP8 (float8_e4m3fn q, k, v): ``descale`` (B or num_seqs, Hkv, 3) float32 contiguous, per kv head the

@@ -1,13 +1,13 @@
 """The Hopper (sm_90) forward kernel, warp-specialised, in Gluon: one producer warp and two consumer
 warpgroups per program, the schedule of FlashAttention-3 (docs/hopper.md draws it).
 
-A program owns a 128-row Q tile of one query head (of one sequence, when packed): the producer warp copies the tile's Q (two 64-row halves)
-and then each visible K and V block into a ring of ``STAGES`` shared-memory slots with the tensor-memory
-copy engine (TMA), each copy completing on its slot's ``ready`` barrier; each consumer warpgroup owns one
-64-row half and, per block, issues Q K^T (``warpgroup_mma``, both operands in shared memory) and, before
-waiting for it, the previous block's P V (P from registers), so the tensor cores run this block's scores and
-the last block's products while the warpgroup does the softmax in between; it frees a slot by arriving on
-its ``empty`` barrier (two arrivals, one per warpgroup) once the product that read it has completed.
+A program owns a 128-row Q tile of one query head (of one sequence, when packed). The producer warp copies
+the tile's Q (two 64-row halves), then each visible K and V block, into rings of ``STAGES`` shared-memory
+slots with the tensor-memory copy engine (TMA), each copy completing on its slot's ``ready`` barrier. Each
+consumer warpgroup owns one 64-row half; per block it issues Q K^T (``warpgroup_mma``, both operands in shared
+memory) and then the previous block's P V (P from registers), waits for the scores alone and runs the softmax
+while the tensor cores compute that product; it frees a slot by arriving on its ``empty`` barrier (two
+arrivals, one per warpgroup) once the product that read it has completed.
 
 The blocks a tile visits, and which of them need the mask, come from the same rule as every other kernel
 (:func:`gstar.kernels.ranges.kv_range` and :func:`gstar.kernels.ranges.visible`): sink-token blocks first,
@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -37,8 +36,8 @@ ROWS = gl.constexpr(64)  # query rows per consumer warpgroup: wgmma's M
 BLOCK_M = gl.constexpr(128)  # rows per program: two consumers
 BLOCK_N = gl.constexpr(128)  # keys per block
 STAGES = gl.constexpr(2)  # K and V slots each: 2 x 2 x 32 KB at D = 128, beside 32 KB of Q
-# head dims (D = Dv) where this kernel beat the portable one in `scripts/bench` runs on an H200; D = 64
-# stays on the portable kernel, whose two resident programs per SM hide the softmax as well (NOTES)
+# head dims (D = Dv) where this kernel beat the portable one on an H200 (NOTES, 'Warp-specialised forward on
+# Hopper'); at D = 64 the two are level: the portable kernel's two resident programs per SM hide its softmax too
 HEAD_DIMS = (128,)
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -280,15 +279,20 @@ def _forward_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sinks, CuQ, CuK, N
     ], [4, 1], [240, 24])
 
 
+def serves(dtype: torch.dtype, head_dim: int, value_dim: int, pattern: Pattern) -> bool:
+    """Whether the calls of this kind take this kernel on sm_90: 16-bit, a head dim of ``HEAD_DIMS`` (D = Dv),
+    full or causal attention (no left bound: the window layers stay on the portable kernel, which beats every
+    peer there), at least one full Q tile (the longest sequence's, when packed)."""
+    return (dtype in _GL_DTYPES and head_dim in HEAD_DIMS and value_dim == head_dim and pattern.left < 0
+            and pattern.right in (-1, 0) and pattern.nq >= BLOCK_M.value)
+
+
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern) -> bool:
-    """Whether this kernel serves a 16-bit call on q's device (dense, or the heads-first views of packed
-    sequences): Hopper, a head dim of ``HEAD_DIMS`` (D = Dv), full or causal attention (no left bound: the
-    window layers stay on the portable kernel, which beats every peer there), at least one full Q tile (the
-    longest sequence's, when packed), and operands a TMA descriptor can read."""
+    """Whether this kernel serves this call (dense, or the heads-first views of packed sequences): q on an
+    sm_90 GPU, a call of the kind :func:`serves`, and operands a TMA descriptor can read."""
     from . import configs, descriptors  # configs asks the device once
-    return (q.is_cuda and configs.capability_major(q.device) == 9 and q.dtype in _GL_DTYPES
-            and q.shape[3] in HEAD_DIMS and v.shape[3] == q.shape[3] and pattern.left < 0
-            and pattern.right in (-1, 0) and pattern.nq >= BLOCK_M.value and descriptors.supported(q, k, v))
+    return (q.is_cuda and configs.capability_major(q.device) == 9
+            and serves(q.dtype, q.shape[3], v.shape[3], pattern) and descriptors.supported(q, k, v))
 
 
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
