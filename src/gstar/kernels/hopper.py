@@ -28,6 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..pattern import Pattern, cdiv
+from . import configs, descriptors
 from .forward import tiles_fastest
 from .ranges import kv_range, sequence_bounds, visible
 
@@ -290,7 +291,6 @@ def serves(dtype: torch.dtype, head_dim: int, value_dim: int, pattern: Pattern) 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern) -> bool:
     """Whether this kernel serves this call (dense, or the heads-first views of packed sequences): q on an
     sm_90 GPU, a call of the kind :func:`serves`, and operands a TMA descriptor can read."""
-    from . import configs, descriptors  # configs asks the device once
     return (q.is_cuda and configs.capability_major(q.device) == 9
             and serves(q.dtype, q.shape[3], v.shape[3], pattern) and descriptors.supported(q, k, v))
 
