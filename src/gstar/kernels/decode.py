@@ -6,7 +6,7 @@ K/V block is read once for the group. It reads its sequence's length on the devi
 with :func:`gstar.kernels.ranges.kv_range` (the sink-token blocks, then the window's band), and walks its
 share of them: split ``s`` takes the ``s``-th of ``splits`` equal runs. A paged cache is read block by block
 through the block table (``BLOCK_N`` divides the block size, so a tile lies in one page). The softmax is the
-forward kernel's (:func:`gstar.kernels.forward._softmax_step`), every block masked.
+forward kernel's (:func:`gstar.kernels.forward.softmax_step`), every block masked.
 
 With one split a program finishes its rows, the learned sink included. With several, each stores its
 partial result (normalised output and LSE, float32) and ``_combine`` merges a row's partials by their LSEs,
@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ..pattern import Pattern, cdiv, kv_blocks
 from .configs import capability_major, dot_precision, pad_head_dim
-from .forward import _softmax_step, finish_state, load_descales, start_state, widen_fp8
+from .forward import finish_state, load_descales, softmax_step, start_state, widen_fp8
 from .launch import constexprs, launch
 from .ranges import kv_range
 
@@ -109,8 +109,9 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, Descale,
                                 PAGED),
                     mask=key_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)  # (BLOCK_N, D_PAD)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # (BLOCK_R, BLOCK_N) raw scores
-        p, acc, m_i, l_i = _softmax_step(s, acc, m_i, l_i, rows, cols, qk_scale, nq, nk, left, right, sink_tokens,
-                                         HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True, True)
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, rows, cols, qk_scale, nq, nk, left, right, sink_tokens,
+                                          HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True, True)
+        acc = acc * alpha[:, None]
         v = tl.load(_block_ptrs(V, BlockTable, b, hkv, start_n, offs_n, offs_dv, stride_v, stride_bt, page_size,
                                 PAGED),
                     mask=key_ok[:, None] & (offs_dv[None, :] < VALUE_DIM), other=0.0)  # (BLOCK_N, DV_PAD)

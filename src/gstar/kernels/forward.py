@@ -45,14 +45,14 @@ def tiles_fastest(has_left: bool, has_right: bool) -> bool:
 
 
 @triton.jit
-def _softmax_step(s, acc, m_i, l_i, rows, cols, qk_scale, Nq, Nk, left, right, sink_tokens,
-                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
-                  MASKED: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
-    """One KV block's online-softmax update of R rows: returns ``(p, acc, m_i, l_i)``, with ``acc``
-    rescaled to the new max and ``p`` the block's float32 weights, ready for ``acc += p @ v``.
+def softmax_step(s, m_i, l_i, rows, cols, qk_scale, Nq, Nk, left, right, sink_tokens,
+                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr,
+                 MASKED: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
+    """One KV block's online-softmax update of R rows: returns ``(p, alpha, m_i, l_i)``, ``p`` the block's
+    float32 weights and ``alpha`` (R,) the factor that takes the accumulator to the new max, before
+    ``acc = acc * alpha + p @ v``. Every forward kernel calls it (the Hopper one from Gluon).
 
-    s: (R, BLOCK_N) raw scores; acc: (R, DV_PAD) float32; m_i, l_i: (R,) float32 running max (base 2,
-    scaled) and running sum; rows: (R,) query positions; cols: (BLOCK_N,) key indices; qk_scale > 0.
+    s: (R, BLOCK_N) raw scores; m_i, l_i: (R,) float32 running max (base 2, scaled) and running sum; rows: (R,) query positions; cols: (BLOCK_N,) key indices; qk_scale > 0.
     ``MASKED`` blocks evaluate :func:`gstar.kernels.ranges.visible`; the others are whole blocks visible to
     every stored row. ``MAY_BE_EMPTY``: a row can still have ``m_i = -inf`` here (no learned sink), so
     masked blocks must shift such rows by 0.
@@ -70,9 +70,7 @@ def _softmax_step(s, acc, m_i, l_i, rows, cols, qk_scale, Nq, Nk, left, right, s
         shift = m_new  # a whole visible block, or a learned sink, gives every row a finite max
     alpha = tl.math.exp2(m_i - shift)  # (R,)
     p = tl.math.exp2(s * qk_scale - shift[:, None])  # (R, BLOCK_N): one FMA per score
-    l_i = l_i * alpha + tl.sum(p, 1)
-    # the rescaled accumulator goes into the next dot as its accumulator, so the MMA adds into it in place
-    return p, acc * alpha[:, None], m_new, l_i
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 
 @triton.jit
@@ -85,7 +83,7 @@ def _attend_blocks(acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2,
     """Fold KV blocks ``[block_lo, block_hi)`` into the running state of one Q tile.
 
     ``(acc, m_i, l_i, q, rows)`` are the state and rows of the tile (or of its first half with HALVES), as
-    in :func:`_softmax_step`, with q: (R, D_PAD); ``(acc2, ..., rows2)`` those of the second half (ignored
+    in :func:`softmax_step`, with q: (R, D_PAD); ``(acc2, ..., rows2)`` those of the second half (ignored
     and returned as they came without HALVES). k_ptrs: (D_PAD, BLOCK_N) and v_ptrs: (BLOCK_N, DV_PAD) point
     at keys 0..BLOCK_N-1 of this kv head; offs_n: (BLOCK_N,). Masked blocks also guard the loads of keys
     past ``Nk``; whole blocks load unmasked unless their head dim is padded.
@@ -109,8 +107,10 @@ def _attend_blocks(acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2,
         s = tl.dot(q, k, input_precision=PRECISION)  # (R, BLOCK_N) raw scores
         if HALVES:
             s2 = tl.dot(q2, k, input_precision=PRECISION)
-        p, acc, m_i, l_i = _softmax_step(s, acc, m_i, l_i, rows, cols, qk_scale, Nq, Nk, left, right, sink_tokens,
-                                         HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, MASKED, MAY_BE_EMPTY)
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, rows, cols, qk_scale, Nq, Nk, left, right, sink_tokens,
+                                          HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, MASKED, MAY_BE_EMPTY)
+        # the rescaled accumulator goes into the next dot as its accumulator, so the MMA adds into it in place
+        acc = acc * alpha[:, None]
         v_block = v_ptrs + start_n.to(tl.int64) * stride_vn
         if MASKED:
             v = tl.load(v_block, mask=(cols[:, None] < Nk) & dv_ok[None, :], other=0.0)
@@ -121,9 +121,10 @@ def _attend_blocks(acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2,
         v = widen_fp8(v)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         if HALVES:
-            p2, acc2, m2, l2 = _softmax_step(s2, acc2, m2, l2, rows2, cols, qk_scale, Nq, Nk, left, right,
-                                             sink_tokens, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, MASKED,
-                                             MAY_BE_EMPTY)
+            p2, alpha2, m2, l2 = softmax_step(s2, m2, l2, rows2, cols, qk_scale, Nq, Nk, left, right,
+                                              sink_tokens, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, MASKED,
+                                              MAY_BE_EMPTY)
+            acc2 = acc2 * alpha2[:, None]
             acc2 = tl.dot(p2.to(v.dtype), v, acc2, input_precision=PRECISION)
     return acc, m_i, l_i, acc2, m2, l2
 

@@ -9,9 +9,9 @@ memory) and then the previous block's P V (P from registers), waits for the scor
 while the tensor cores compute that product; it frees a slot by arriving on its ``empty`` barrier (two
 arrivals, one per warpgroup) once the product that read it has completed.
 
-The blocks a tile visits, and which of them need the mask, come from the same rule as every other kernel
-(:func:`gstar.kernels.ranges.kv_range` and :func:`gstar.kernels.ranges.visible`): sink-token blocks first,
-then the band, masked at its edges. :func:`supported` says which calls take this kernel: on sm_90 the
+The blocks a tile visits, which of them need the mask, and each block's softmax come from the functions every
+other kernel calls (:func:`gstar.kernels.ranges.kv_range`, :func:`gstar.kernels.ranges.visible` and
+:func:`gstar.kernels.forward.softmax_step`): sink-token blocks first, then the band, masked at its edges. :func:`supported` says which calls take this kernel: on sm_90 the
 dispatcher (:func:`gstar.kernels.attention.attention_forward`) prefers it where ``HEAD_DIMS`` says it was
 measured faster than the portable kernel (benchmarks/NOTES.md, 'Warp-specialised forward on Hopper').
 """
@@ -29,8 +29,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..pattern import Pattern, cdiv
 from . import configs, descriptors
-from .forward import tiles_fastest
-from .ranges import kv_range, sequence_bounds, visible
+from .forward import softmax_step, tiles_fastest
+from .ranges import kv_range, sequence_bounds
 
 LOG2E = gl.constexpr(math.log2(math.e))
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup: wgmma's M
@@ -105,27 +105,6 @@ def _operand(p, acc, dtype: gl.constexpr):
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, rows, cols, qk_scale, Nq, Nk, left, right, sink_tokens,
-             HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK_TOKENS: gl.constexpr,
-             MASKED: gl.constexpr, MAY_BE_EMPTY: gl.constexpr):
-    """One block's online-softmax update, as the portable kernel's (:func:`gstar.kernels.forward._softmax_step`)
-    but returning the rescale factor ``alpha`` instead of applying it: the accumulator is still in flight.
-    s: (64, BLOCK_N) raw scores; m_i, l_i, rows: (64,); cols: (BLOCK_N,). Returns ``(p, alpha, m_i, l_i)``."""
-    if MASKED:
-        ok = visible(rows[:, None], cols[None, :], Nq, Nk, left, right, sink_tokens,
-                     HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)
-        s = gl.where(ok, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    if MASKED and MAY_BE_EMPTY:
-        shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp2 gives 0, not NaN
-    else:
-        shift = m_new
-    alpha = gl.exp2(m_i - shift)
-    p = gl.exp2(s * qk_scale - shift[:, None])
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
-
-
-@gluon.jit
 def _steps(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, lo, hi, n_sink, band_start, acc, m_i, l_i,
            p, rows, s_zero, qk_scale, Nq, Nk, left, right, sink_tokens,
            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK_TOKENS: gl.constexpr, MASKED: gl.constexpr,
@@ -143,8 +122,8 @@ def _steps(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, lo, hi, n_sink
         mbarrier.arrive(k_empty.index(i % STAGES), count=1)
         block = gl.where(i < n_sink, i, i - n_sink + band_start)
         cols = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
-        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, rows, cols, qk_scale, Nq, Nk, left, right, sink_tokens,
-                                      HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, MASKED, MAY_BE_EMPTY)
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, rows, cols, qk_scale, Nq, Nk, left, right, sink_tokens,
+                                          HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, MASKED, MAY_BE_EMPTY)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(v_empty.index((i - 1) % STAGES), count=1)
         acc = acc * gl.convert_layout(alpha, acc_rows)[:, None]
@@ -188,8 +167,8 @@ def _consumer(o_desc, Out, Lse, Sinks, shared, batch, h, row0, q_start, half, pa
         mbarrier.arrive(k_empty.index(0), count=1)
         first = gl.where(n_sink > 0, 0, band_start)
         cols = first * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, rows, cols, qk_scale, Nq, Nk, left, right, sink_tokens,
-                                      HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True, MAY_BE_EMPTY)
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, rows, cols, qk_scale, Nq, Nk, left, right, sink_tokens,
+                                          HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True, MAY_BE_EMPTY)
         # the sink-token blocks and the band's leading edge, its interior, its trailing edge
         bounds = (1, lead_end, full_end, n)
         for segment in gl.static_range(3):
