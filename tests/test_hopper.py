@@ -120,7 +120,7 @@ def test_gpu_dispatch(D, Nq, causal, window, dtype, expected, monkeypatch):
     monkeypatch.setattr(hopper, "forward", lambda *a: calls.append(a) or hopper_forward(*a))
     q, k, v = make_qkv(1, 4, 2, Nq, Nq, D, dtype, device="cuda")
     attention_forward(q, k, v, None, Pattern.make(Nq, Nq, causal=causal, window=window), D ** -0.5)
-    assert bool(calls) == expected
+    assert bool(calls) == (expected and hopper.VERIFIED)  # other Triton releases keep the portable kernel
 
 
 hopper_forward = hopper.forward

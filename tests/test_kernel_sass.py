@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from gstar.kernels import hopper
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "kernel-sass"
 pytestmark = pytest.mark.slow  # compiles for sm_90a: ~30 s on two cores, no kernel path of its own
 
@@ -44,11 +46,14 @@ def test_gpt_oss_kernels_compile_without_spills(case, flags, kernels):
 @pytest.mark.parametrize("case,flags", [("D128 causal", []), ("D128 full", ["--varlen"])])
 def test_hopper_forward_is_warp_specialised(case, flags):
     """gstar.kernels.hopper (Gluon) compiles for sm_90a: 12 warps (two consumer warpgroups and the producer's),
-    no spills, every attention loop on the tensor cores."""
+    every attention loop on the tensor cores, and no spills on the Triton release it is verified on (another
+    release's compiler may allocate differently; gstar does not dispatch to the kernel there)."""
     result = _run("--case", case, "--hopper", *flags)
     assert result.returncode == 0, result.stderr[-2000:]
     line = next(l for l in result.stdout.splitlines() if l.startswith("_forward_kernel:"))
-    assert "12 warps" in line and re.search(r"spills 0 / 0 bytes", line), line
+    assert "12 warps" in line, line
+    if hopper.VERIFIED:
+        assert re.search(r"spills 0 / 0 bytes", line), line
     loops = [l for l in result.stdout.splitlines()
              if "loop of" in l and int(re.search(r"(\d+) MUFU", l).group(1)) > 2]  # not the epilogue
     assert loops and all(int(re.search(r"(\d+) HGMMA", l).group(1)) > 0 for l in loops), loops

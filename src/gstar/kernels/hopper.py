@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -41,6 +42,12 @@ STAGES = gl.constexpr(2)  # K and V slots each: 2 x 2 x 32 KB at D = 128, beside
 # Hopper'); at D = 64 the two are level: the portable kernel's two resident programs per SM hide its softmax too
 HEAD_DIMS = (128,)
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+# Triton releases on which this kernel ran the GPU tests and the timings (Gluon changes from release to
+# release: on others it compiles, but the dispatcher keeps the portable kernel until it is verified there)
+VERIFIED = triton.__version__.startswith("3.6.")
+# the TMA copies under their names since Triton 3.7 (async_load / async_store) or before
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
 @gluon.jit
@@ -64,8 +71,8 @@ def _producer(q_desc, k_desc, v_desc, shared, batch, h, h_kv, row0, q_start, k_s
     q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty = shared
     Nq, Nk, left, right, sink_tokens = pattern
     mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [batch, h, q_start + row0, 0], q_ready, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [batch, h, q_start + row0 + ROWS, 0], q_ready, q_smem.index(1))
+    _tma_load(q_desc, [batch, h, q_start + row0, 0], q_ready, q_smem.index(0))
+    _tma_load(q_desc, [batch, h, q_start + row0 + ROWS, 0], q_ready, q_smem.index(1))
     n_sink, band_start, lead_end, full_end, n = _block_range(row0, Nq, Nk, left, right, sink_tokens,
                                                              HAS_LEFT, HAS_RIGHT)
     for i in range(n):
@@ -74,10 +81,10 @@ def _producer(q_desc, k_desc, v_desc, shared, batch, h, h_kv, row0, q_start, k_s
         phase = (i // STAGES) & 1
         mbarrier.wait(k_empty.index(slot), phase ^ 1)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [batch, h_kv, start, 0], k_ready.index(slot), k_smem.index(slot))
+        _tma_load(k_desc, [batch, h_kv, start, 0], k_ready.index(slot), k_smem.index(slot))
         mbarrier.wait(v_empty.index(slot), phase ^ 1)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [batch, h_kv, start, 0], v_ready.index(slot), v_smem.index(slot))
+        _tma_load(v_desc, [batch, h_kv, start, 0], v_ready.index(slot), v_smem.index(slot))
 
 
 @gluon.jit
@@ -188,7 +195,7 @@ def _consumer(o_desc, Out, Lse, Sinks, shared, batch, h, row0, q_start, half, pa
     if Out is None:
         q.store(out.to(o_desc.dtype))  # Q's slot is free: the output leaves through it
         fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [batch, h, q_start + row0 + half * ROWS, 0], q_smem.index(half))
+        _tma_store(o_desc, [batch, h, q_start + row0 + half * ROWS, 0], q_smem.index(half))
         tma.store_wait(0)
     else:
         out_rows = row0 + half * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))  # (64,)
@@ -268,9 +275,10 @@ def serves(dtype: torch.dtype, head_dim: int, value_dim: int, pattern: Pattern) 
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern) -> bool:
-    """Whether this kernel serves this call (dense, or the heads-first views of packed sequences): q on an
-    sm_90 GPU, a call of the kind :func:`serves`, and operands a TMA descriptor can read."""
-    return (q.is_cuda and configs.capability_major(q.device) == 9
+    """Whether this kernel serves this call (dense, or the heads-first views of packed sequences): a
+    ``VERIFIED`` Triton, q on an sm_90 GPU, a call of the kind :func:`serves`, and operands a TMA descriptor
+    can read."""
+    return (VERIFIED and q.is_cuda and configs.capability_major(q.device) == 9
             and serves(q.dtype, q.shape[3], v.shape[3], pattern) and descriptors.supported(q, k, v))
 
 
