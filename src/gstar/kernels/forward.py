@@ -52,7 +52,8 @@ def softmax_step(s, m_i, l_i, rows, cols, qk_scale, Nq, Nk, left, right, sink_to
     float32 weights and ``alpha`` (R,) the factor that takes the accumulator to the new max, before
     ``acc = acc * alpha + p @ v``. Every forward kernel calls it (the Hopper one from Gluon).
 
-    s: (R, BLOCK_N) raw scores; m_i, l_i: (R,) float32 running max (base 2, scaled) and running sum; rows: (R,) query positions; cols: (BLOCK_N,) key indices; qk_scale > 0.
+    s: (R, BLOCK_N) raw scores; m_i, l_i: (R,) float32 running max (base 2, scaled) and running sum; rows: (R,)
+    query positions; cols: (BLOCK_N,) key indices; qk_scale > 0.
     ``MASKED`` blocks evaluate :func:`gstar.kernels.ranges.visible`; the others are whole blocks visible to
     every stored row. ``MAY_BE_EMPTY``: a row can still have ``m_i = -inf`` here (no learned sink), so
     masked blocks must shift such rows by 0.

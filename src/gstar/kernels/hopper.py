@@ -18,6 +18,7 @@ measured faster than the portable kernel (benchmarks/NOTES.md, 'Warp-specialised
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -30,7 +31,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..pattern import Pattern, cdiv
 from . import configs, descriptors
-from .forward import softmax_step, tiles_fastest
+from .forward import finish_state, softmax_step, tiles_fastest
 from .ranges import kv_range, sequence_bounds
 
 LOG2E = gl.constexpr(math.log2(math.e))
@@ -187,10 +188,9 @@ def _consumer(o_desc, Out, Lse, Sinks, shared, batch, h, row0, q_start, half, pa
         acc = _issue_values(_operand(p, acc, v_smem.dtype), acc, v_smem, v_ready, n - 1)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(v_empty.index((n - 1) % STAGES), count=1)
-    empty = l_i == 0.0  # no key and no sink: zeros and LSE -inf
-    l_safe = gl.where(empty, 1.0, l_i)
-    out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
-    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) / LOG2E)
+    acc_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    out, lse = finish_state(acc, gl.convert_layout(m_i, acc_rows), gl.convert_layout(l_i, acc_rows))
+    rows = gl.convert_layout(rows, acc_rows)
     gl.store(Lse + batch * stride_lse[0] + h * stride_lse[1] + q_start + rows, lse, mask=rows < Nq)
     if Out is None:
         q.store(out.to(o_desc.dtype))  # Q's slot is free: the output leaves through it
@@ -198,11 +198,9 @@ def _consumer(o_desc, Out, Lse, Sinks, shared, batch, h, row0, q_start, half, pa
         _tma_store(o_desc, [batch, h, q_start + row0 + half * ROWS, 0], q_smem.index(half))
         tma.store_wait(0)
     else:
-        out_rows = row0 + half * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))  # (64,)
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # (D,)
-        offsets = h * stride_o[0] + (q_start + out_rows).to(gl.int64) * stride_o[1]  # (64,)
-        gl.store(Out + offsets[:, None] + cols[None, :], out.to(Out.dtype.element_ty),
-                 mask=(out_rows < Nq)[:, None])
+        offsets = h * stride_o[0] + (q_start + rows).to(gl.int64) * stride_o[1]  # (64,)
+        gl.store(Out + offsets[:, None] + cols[None, :], out.to(Out.dtype.element_ty), mask=(rows < Nq)[:, None])
 
 
 # lengths and window bounds change from call to call and only enter loop bounds and masks (as in the
@@ -282,11 +280,16 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Patter
             and serves(q.dtype, q.shape[3], v.shape[3], pattern) and descriptors.supported(q, k, v))
 
 
+@functools.lru_cache(maxsize=None)
+def _swizzle(rows: int, width: int, dtype: torch.dtype):
+    """The shared-memory layout of a (1, 1, rows, width) tile that wgmma reads (asked once per shape)."""
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, width], _GL_DTYPES[dtype])
+
+
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """A descriptor over ``t`` (B, H, N, D) moving (1, 1, rows, D) tiles, swizzled for wgmma."""
-    block = [1, 1, rows, t.shape[3]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[3]],
+                            _swizzle(rows, t.shape[3], t.dtype))
 
 
 def forward(q, k, v, sinks, out, lse, pattern: Pattern, scale: float, cu_seqlens=None) -> None:
