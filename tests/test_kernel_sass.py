@@ -59,6 +59,22 @@ def test_hopper_forward_is_warp_specialised(case, flags):
     assert loops and all(int(re.search(r"(\d+) HGMMA", l).group(1)) > 0 for l in loops), loops
 
 
+def test_hopper_backward_is_warp_specialised():
+    """gstar.kernels.hopper_backward (Gluon) compiles for sm_90a: 12 warps, every step loop on the tensor cores,
+    and on the verified Triton release no product serialised by ptxas (too few registers, or accumulators read
+    while in flight). It spills a little (scalars of the loop nest, ~450 bytes; benchmarks/NOTES.md, 'Fused
+    backward with atomic dQ'), so spills are not held to zero."""
+    result = _run("--case", "D128 causal", "--hopper", "--backward")
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    start = next(i for i, l in enumerate(lines) if l.startswith("_backward_kernel:"))
+    assert "12 warps" in lines[start], lines[start]
+    if hopper.VERIFIED:
+        assert "serialised" not in lines[start], lines[start]
+    loops = [l for l in lines[start + 1:] if "loop of" in l and int(re.search(r"(\d+) MUFU", l).group(1)) > 2]
+    assert loops and all(int(re.search(r"(\d+) HGMMA", l).group(1)) > 0 for l in loops), loops
+
+
 def test_hopper_refuses_a_case_it_does_not_serve():
     result = _run("--case", "D64 window", "--hopper")
     assert result.returncode != 0 and "does not serve" in result.stderr

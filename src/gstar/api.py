@@ -182,7 +182,7 @@ def normalize(q, k, v, *, causal, window, sink_tokens, sinks, scale, backend, re
 
 def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, sinks=None, scale=None,
                     return_lse=False, backend="auto", q_descale=None, k_descale=None, v_descale=None,
-                    out_dtype=None):
+                    out_dtype=None, deterministic=True):
     """Exact attention, memory-efficient, differentiable in q, k, v, sinks and the returned LSE.
 
     Args:
@@ -207,6 +207,11 @@ def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
             takes its kv head's ``q_descale``. Default 1. :func:`gstar.quantize_fp8` makes them
             (:mod:`gstar.fp8` says how the kernel uses them).
         out_dtype: the output's dtype for FP8 inputs (bfloat16, float16 or float32; default bfloat16).
+        deterministic: the backward's gradients are bitwise reproducible from run to run (the default).
+            ``False`` lets an H100 / H200 add dQ up across key tiles with float32 atomics where its fused
+            backward serves the call (16-bit, head dim 64 or 128 for q, k and v, full or causal, no learned
+            sinks): five matmuls per tile pair instead of seven, with dQ's last bits varying between runs
+            (within the same accuracy bar). Everywhere else it changes nothing.
 
     Nq = 3, Nk = 5, ``causal=True`` (``1`` = visible), and with ``window=(1, 0), sink_tokens=1``::
 
@@ -221,6 +226,8 @@ def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
     """
     options = normalize(q, k, v, causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks,
                         scale=scale, backend=backend, return_lse=return_lse)
+    _check_bool("deterministic", deterministic)
+    options = options._replace(deterministic=deterministic)
     quantized = fp8.check(q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                           out_dtype=out_dtype, sinks=sinks, scale=options.scale, batch=q.shape[0],
                           kv_heads=k.shape[1], backend=options.backend)

@@ -49,25 +49,27 @@ class Options(NamedTuple):
     pattern: Pattern                         # the rule; when packed, nq and nk are the longest sequences
     scale: float
     backend: str                             # "triton" or "torch"
+    deterministic: bool = True               # False: the backward may add dQ up with atomics (sm_90)
 
 
 # The operators' schema is flat (it takes no tuples): the fields of Inputs, then those of the pattern, the
 # scale and the backend. _op_args and _named are the only code that knows these positions.
-_OPTION_ARGS = "SymInt nq, SymInt nk, SymInt left, SymInt right, SymInt sink_tokens, float scale, str backend"
+_OPTION_ARGS = "SymInt nq, SymInt nk, SymInt left, SymInt right, SymInt sink_tokens, float scale, str backend, bool deterministic"
 _ARGS = f"Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, {_OPTION_ARGS}"
 
 
 def _op_args(inputs: Inputs, options: Options) -> tuple:
     """Names to the operators' positional arguments."""
     p = options.pattern
-    return (*inputs, p.nq, p.nk, p.left, p.right, p.sink_tokens, options.scale, options.backend)
+    return (*inputs, p.nq, p.nk, p.left, p.right, p.sink_tokens, options.scale, options.backend,
+            options.deterministic)
 
 
 def _named(args: tuple) -> tuple[Inputs, Options]:
     """The operators' positional arguments to names (the inverse of :func:`_op_args`)."""
-    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, nq, nk, left, right, sink_tokens, scale, backend = args
+    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, nq, nk, left, right, sink_tokens, scale, backend, deterministic = args
     return (Inputs(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k),
-            Options(Pattern(nq, nk, left, right, sink_tokens), scale, backend))
+            Options(Pattern(nq, nk, left, right, sink_tokens), scale, backend, deterministic))
 
 
 @functools.cache  # imported on first use (the kernels import triton), then looked up for free
@@ -149,7 +151,8 @@ def run_backward(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dlse:
         lse, dlse = lse[None], None if dlse is None else dlse[None]                   # (1, Hq, total_q)
     _, backward_fn = _backend_fns(options.backend)
     dq, dk, dv, dsinks = backward_fn(dout, q, k, v, out, lse, dlse, _stat_sinks(sinks, q), options.pattern,
-                                     options.scale, cu_seqlens=(cu_q, cu_k) if packed else None)
+                                     options.scale, cu_seqlens=(cu_q, cu_k) if packed else None,
+                                     deterministic=options.deterministic)
     if packed:
         dq, dk, dv = (_packed(g) for g in (dq, dk, dv))
     return dq, dk, dv, dsinks

@@ -143,8 +143,9 @@ def tiled_forward(q, k, v, sinks, pattern: Pattern, scale: float, tile: int | No
 
 
 def tiled_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale: float,
-                   tile: int | None = None, *, cu_seqlens=None):
+                   tile: int | None = None, *, cu_seqlens=None, deterministic: bool = True):
     """Backward that recomputes probabilities tile by tile from ``lse``. Returns (dq, dk, dv, dsinks).
+    Always deterministic (``deterministic`` is accepted for the Triton backward's signature).
 
     dout, out: (B, Hq, Nq, Dv); the other tensors as in :func:`tiled_forward`. dK/dV are accumulated per kv
     head (summed over its query-head group) in (B, Hkv, Nk, D) and (B, Hkv, Nk, Dv) buffers.

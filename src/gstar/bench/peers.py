@@ -158,6 +158,26 @@ class GstarPrefill(Gstar):
         return _dense_cache(case)
 
 
+class GstarNondeterministic(Gstar):
+    """``gstar.flash_attention(deterministic=False)``: its backward may add dQ up with atomics (on an H100 / H200,
+    where the fused backward serves the case); the forward is gstar's own, so only passes with a backward
+    get a row."""
+
+    name = "gstar-nondet"
+    kvcache = False
+
+    def applies(self, case):
+        return not (case.packed or case.decode)
+
+    def unsupported(self, case, device, mode):
+        return "the forward is gstar's" if mode == "fwd" else None
+
+    def build(self, case, device):
+        from ..api import flash_attention
+        return lambda q, k, v, sinks: flash_attention(q, k, v, sinks=sinks, causal=case.causal, window=case.window,
+                                                      sink_tokens=case.sink_tokens, deterministic=False)
+
+
 class Eager(Peer):
     """Hugging Face GPT-OSS eager attention: repeat kv, scores, mask, sink column, softmax, drop it, @ v."""
 
@@ -473,7 +493,7 @@ class Fla(Peer):
 
 def all_peers() -> list[Peer]:
     """Every implementation, gstar first (the ratio column divides by its time)."""
-    return [Gstar(), GstarPadded(), GstarPrefill(), Eager(), Sdpa("flash"), Sdpa("cudnn"), Flex(), FA4(), Fla()]
+    return [Gstar(), GstarPadded(), GstarPrefill(), GstarNondeterministic(), Eager(), Sdpa("flash"), Sdpa("cudnn"), Flex(), FA4(), Fla()]
 
 
 PEER_NAMES = tuple(p.name for p in all_peers())

@@ -18,7 +18,7 @@ import torch
 
 from ..pattern import Pattern, cdiv, kv_block_table
 from .. import buffers
-from . import descriptors, hopper
+from . import descriptors, hopper, hopper_backward
 from .backward import _dkdv, _dq, _sum_partials
 from .configs import BackwardConfig, backward_config, dot_precision, forward_config, pad_head_dim
 from .forward import _forward_kernel, tiles_fastest
@@ -131,6 +131,7 @@ class _BackwardPlan(NamedTuple):
     dq_head: tuple              # strides of q, k, v, out, dout
     dq_tail: tuple              # strides of dLSE and LSE, Nq, Nk, left, right, sink_tokens, scale, qk_scale
     dq_options: tuple           # constexprs, without and with descriptors
+    stats_options: tuple        # the dQ kernel's row statistics alone (for hopper_backward)
     dq_tma: bool
     kv_table: torch.Tensor | None
     dkdv_grid: tuple
@@ -195,6 +196,7 @@ def _backward_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tu
         dq_head=(q_s, k_s, v_s, o_s, do_s),
         dq_tail=(dl_s, lse_strides, Nq, Nk, *runtime),
         dq_options=tuple(dq_options), dq_tma=cfg.dq_tma and not varlen,
+        stats_options=dq_options[0] + (("STATS_ONLY", True),),
         kv_table=None if varlen else kv_block_table(pattern, rows, cfg.dq_n, device),  # (n_q_tiles, 5)
         dkdv_grid=(n_items, Hkv * head_splits, programs),
         dkdv_head=(q_s, k_s, v_s, do_s),
@@ -210,7 +212,7 @@ def _backward_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tu
 
 def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale: float, *,
                        config: BackwardConfig | None = None,
-                       cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None):
+                       cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None, deterministic: bool = True):
     """Gradients of attention (docs/design.md section 1) from the forward's output and LSE.
 
     Args:
@@ -225,11 +227,14 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
         cu_seqlens: ``(cu_q, cu_k)`` for packed sequences, as in
             :func:`attention_forward` (B = 1, the sequence axis is total_q / total_k,
             ``pattern`` holds the longest lengths). The dK/dV work is never split then.
+        deterministic: ``False`` lets sm_90 take :mod:`.hopper_backward` where it serves the call (dQ added
+            up with atomics: five products per tile pair instead of seven, dQ's last bits vary from run to
+            run); elsewhere the flag changes nothing.
 
     Returns ``(dq, dk, dv, dsinks)``: dq like q, dk like k, dv like v (dtype and memory layout; packed:
     heads-first views of contiguous packed tensors), dsinks
-    ``(Hq,)`` float32 or ``None``. Bitwise deterministic on one device (the split depends on its SM
-    count): no atomics, fixed loop and summation order.
+    ``(Hq,)`` float32 or ``None``. With ``deterministic`` (the default) bitwise reproducible on one device
+    (the split depends on its SM count): no atomics, fixed loop and summation order.
     """
     B, Hq, Nq, _ = q.shape
     varlen = cu_seqlens is not None
@@ -248,6 +253,16 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
     stats = buffers.empty(plan.stats_shape, dtype=torch.float32, device=q.device)
     delta, lse2 = stats[0], stats[1]                                                # (B, Hq, Nq) each
     cu_q, cu_k = cu_seqlens if varlen else (None, None)
+    if (not deterministic and config is None and not varlen
+            and hopper_backward.supported(q, k, v, dout, pattern, sinks is not None)):
+        # the dQ kernel's row statistics alone, then one kernel for dK, dV and a float32 dQ
+        launch(_dq, plan.dq_grid, (q, k, v, out, dout, dlse, lse, None, lse2, delta, q, None, plan.kv_table,
+                                   None, None),  # (DQ: unused)
+               (*plan.dq_head, batch_strides(q.stride(), False), *plan.dq_tail), plan.stats_options)
+        dk, dv = like(k), like(v)
+        dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)        # (B, Hq, Nq, D)
+        hopper_backward.backward(q, k, v, dout, dk, dv, dq_sum, lse2, delta, pattern, scale)
+        return like(q).copy_(dq_sum), dk, dv, None
     dq_tma = plan.dq_tma and descriptors.supported(k, v)
     dkdv_tma = plan.dkdv_tma and descriptors.supported(q, dout)
     k_in, v_in, q_in, do_in = k, v, q, dout

@@ -370,7 +370,7 @@ def _dq(
     nq, nk, left, right, sink_tokens, scale, qk_scale,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr, HEAD_DIM: tl.constexpr,
     VALUE_DIM: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr, FLAT: tl.constexpr,
-    TMA: tl.constexpr, PRECISION: tl.constexpr,
+    TMA: tl.constexpr, PRECISION: tl.constexpr, STATS_ONLY: tl.constexpr = False,
 ):
     """Grid ``(n_tiles, Hq // PACK, B)``: dQ of one Q tile of PACK query heads, over the KV blocks that
     :func:`gstar.pattern.kv_block_table` lists in KVTABLE, (n_tiles, 5) int32 (dense: CuQ, CuK None), or
@@ -389,7 +389,8 @@ def _dq(
     visits: equal to the above in exact arithmetic, without the rounding of O to the input dtype, which
     a sum over every row of a head would add up (benchmarks/NOTES.md, 'dsinks from P * dP').
     TMA (dense only): K and V are tensor descriptors moving (1, 1, BLOCK_N, D_PAD) and (1, 1, BLOCK_N,
-    DV_PAD) tiles.
+    DV_PAD) tiles. STATS_ONLY (no sinks): only delta and LSE2, for a backward that accumulates dQ itself
+    (:mod:`gstar.kernels.hopper_backward`).
     """
     D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
     DV_PAD: tl.constexpr = pad_head_dim(VALUE_DIM)
@@ -435,6 +436,8 @@ def _dq(
     lse2 = tl.load(LSE + row_ptr, mask=rows, other=float("inf")) * _LOG2E               # (BLOCK_M,)
     tl.store(DELTA + row_ptr, delta, mask=rows)
     tl.store(LSE2 + row_ptr, lse2, mask=rows)
+    if STATS_ONLY:
+        return
     k_head, v_head = _head_rows(K, V, b, hkv, k_start, stride_k, stride_v, TMA)
     kv_head = hkv.to(tl.int32)
     if VARLEN:

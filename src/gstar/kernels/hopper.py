@@ -286,10 +286,11 @@ def _swizzle(rows: int, width: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, width], _GL_DTYPES[dtype])
 
 
-def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A descriptor over ``t`` (B, H, N, D) moving (1, 1, rows, D) tiles, swizzled for wgmma."""
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[3]],
-                            _swizzle(rows, t.shape[3], t.dtype))
+def _descriptor(t: torch.Tensor, rows: int, width: int | None = None) -> TensorDescriptor:
+    """A descriptor over ``t`` (B, H, N, D) moving (1, 1, rows, width) tiles (default: whole rows, width D),
+    swizzled for wgmma."""
+    width = width or t.shape[3]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, width], _swizzle(rows, width, t.dtype))
 
 
 def forward(q, k, v, sinks, out, lse, pattern: Pattern, scale: float, cu_seqlens=None) -> None:

@@ -1,0 +1,289 @@
+"""The Hopper (sm_90) backward kernel, warp-specialised, in Gluon: dK, dV and dQ from one pass over the
+(KV tile, Q tile) pairs, dQ added up across KV tiles in float32 by the copy engine's reduce-add
+(FlashAttention-3's schedule). Five products per pair where the deterministic two-kernel backward
+(:mod:`.backward`) spends seven; the price is that the order of dQ's additions, hence its last bits, changes
+from run to run, so this kernel only serves calls that ask for ``deterministic=False`` (docs/hopper.md
+draws it).
+
+A program owns a 128-key tile of one kv head (of one batch row) and walks the query heads of its GQA group
+and, for each, the 64-row Q tiles that see the tile (:func:`gstar.kernels.ranges.q_range`: masked edges,
+unmasked interior). One producer warp copies K and V once, then each step's Q and dO tiles into rings of
+``STAGES`` slots (TMA), each copy completing on its slot's ``ready`` barrier. Each of two consumer
+warpgroups owns 64 of the tile's keys and keeps their dK, dV accumulators in registers; per step it
+
+1. issues ``S^T = K Q^T`` and ``dP^T = V dO^T`` (keys x queries, operands in shared memory),
+2. turns the scores into ``P^T`` (the forward's base-2 LSE, the rule's mask on the edge tiles) while dP^T
+   runs, issues ``dV += P^T dO``, then forms ``dS^T = P^T (dP^T - delta)`` and issues ``dK += dS^T Q``,
+3. writes dS^T into its half of a shared (128 keys x 64 queries) tile and arrives at ``ds_ready``.
+
+dQ of a step needs both halves, so one warpgroup computes it, the two taking turns (even steps the first,
+odd steps the second): it starts ``dS K`` over its own 64 keys, waits at ``ds_ready`` for the other half,
+finishes over the other 64 keys, writes the (64, D) float32 result to shared memory and hands it to the copy
+engine, which adds it into the dQ accumulator while the kernel goes on (``tma.store_wait`` before the
+staging tile is reused). Meanwhile the other warpgroup has moved on to the next step's products, so the
+tensor cores stay busy; a symmetric split (each warpgroup half of dQ's columns every step) keeps both in
+lockstep and was slower (benchmarks/NOTES.md, 'Fused backward with atomic dQ'). The dS tile is
+double-buffered by step parity: the barrier a warpgroup waits at tells it that the other has finished
+reading the tile it is about to overwrite.
+
+The host (:func:`backward`) runs the portable dQ kernel's row statistics first (delta and the base-2 LSE),
+zeroes the accumulator, launches this kernel, and casts the accumulator into dQ.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ..pattern import Pattern, cdiv
+from . import configs, descriptors
+from .hopper import _GL_DTYPES, VERIFIED, _descriptor, _operand, _tma_load
+from .ranges import q_range, visible
+
+ROWS = gl.constexpr(64)  # queries per step, and keys per consumer warpgroup: wgmma's M
+BLOCK_N = gl.constexpr(128)  # keys per program: two consumers
+STAGES = gl.constexpr(2)  # Q and dO slots each
+# head dims (D = Dv) where this kernel beat the deterministic backward on an H200 (NOTES, 'Fused backward
+# with atomic dQ'); at D = 64 it is level or slower: its 64 x 64 score tiles leave the softmax work per product
+# twice D = 128's, and the portable dK/dV and dQ kernels fit two programs per SM there
+HEAD_DIMS = (128,)
+
+
+@builtin
+def _tma_add_3_6(tensor_desc, coord, src, _semantic=None):
+    """Adds the shared-memory tile ``src`` into the global tile at ``coord`` (a TMA reduce-add, asynchronous:
+    ``tma.store_wait`` waits for it). Triton 3.7 names it ``tma.async_atomic_add``; 3.6 has the operation
+    but no Gluon function for it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                              src.handle)
+
+
+_tma_add = getattr(tma, "async_atomic_add", None) or _tma_add_3_6
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, do_desc, shared, batch, h_first, key0, m_start, n_m, GROUP: gl.constexpr):
+    """One warp: K and V, then Q and dO of every step into slot ``step % STAGES`` once both consumers have
+    freed it (a fresh barrier counts as freed). Step ``it`` is query head ``h_first + it // n_m``, Q tile
+    ``m_start + it % n_m``."""
+    (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
+     ds_ready) = shared
+    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    _tma_load(k_desc, [batch, h_first // GROUP, key0, 0], kv_ready, k_smem)
+    _tma_load(v_desc, [batch, h_first // GROUP, key0, 0], kv_ready, v_smem)
+    for it in range(GROUP * n_m):
+        h = h_first + it // n_m
+        row0 = (m_start + it % n_m) * ROWS
+        slot = it % STAGES
+        phase = (it // STAGES) & 1
+        mbarrier.wait(q_empty.index(slot), phase ^ 1)
+        mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
+        _tma_load(q_desc, [batch, h, row0, 0], q_ready.index(slot), q_smem.index(slot))
+        mbarrier.wait(do_empty.index(slot), phase ^ 1)
+        mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
+        _tma_load(do_desc, [batch, h, row0, 0], do_ready.index(slot), do_smem.index(slot))
+
+
+@gluon.jit
+def _steps(k, v, k_other, shared, dk, dv, Lse2, Delta, dqa_desc, lo, hi, it0, b, h, half, keys, s_zero, dq_zero,
+           qk_scale, scale, row_base, Nq, Nk, right, HAS_RIGHT: gl.constexpr, MASKED: gl.constexpr):
+    """Q tiles ``[lo, hi)`` of query head ``h`` (steps ``it0 ..``): adds each one's share to this warpgroup's
+    dk, dv (64, D) float32 and, on its turns, the step's dQ to the accumulator under dqa_desc. k, v: this
+    warpgroup's 64 keys in shared memory, k_other: the other's; keys: their positions (64,); row_base:
+    Lse2's and Delta's offset of head h's row 0."""
+    (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
+     ds_ready) = shared
+    HEAD_DIM: gl.constexpr = k.shape[1]
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_zero.type.layout)
+    row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    dq_tile = dq_smem.index(half).reshape([ROWS, HEAD_DIM])  # (64 queries, D) float32
+    for m in range(lo, hi):
+        it = it0 + m - lo
+        slot = it % STAGES
+        phase = (it // STAGES) & 1
+        q = q_smem.index(slot).reshape([ROWS, HEAD_DIM])    # (64 queries, D)
+        do = do_smem.index(slot).reshape([ROWS, HEAD_DIM])  # (64 queries, D)
+        mbarrier.wait(q_ready.index(slot), phase)
+        s_t = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)    # (64 keys, 64 queries)
+        mbarrier.wait(do_ready.index(slot), phase)
+        dp_t = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # (64 keys, 64 queries)
+        # the rows' statistics, one register each until the scores land (then one per score column)
+        rows = m * ROWS + gl.arange(0, ROWS, layout=row_layout)  # (64,) query positions
+        lse2 = gl.load(Lse2 + row_base + rows, mask=rows < Nq, other=float("inf"))  # past Nq: zero weight
+        delta = gl.load(Delta + row_base + rows, mask=rows < Nq, other=0.0)
+        s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
+        p_t = gl.exp2(s_t * qk_scale - gl.convert_layout(lse2, col_layout)[None, :])
+        if MASKED:
+            cols = m * ROWS + gl.arange(0, ROWS, layout=col_layout)
+            ok = visible(cols[None, :], keys[:, None], Nq, Nk, 0, right, 0, False, HAS_RIGHT, False)
+            p_t = gl.where(ok, p_t, 0.0)
+        dv = warpgroup_mma(_operand(p_t, dv, q.dtype), do, dv, is_async=True)
+        dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, ))
+        ds_t = p_t * (dp_t - gl.convert_layout(delta, col_layout)[None, :])
+        dk = warpgroup_mma(_operand(ds_t, dk, q.dtype), q, dk, is_async=True)
+        # this warpgroup's dS^T rows into the shared tile; the other's arrive completes the barrier
+        ds = ds_smem.index(it % 2)
+        ds.slice(half * ROWS, ROWS, dim=0).store(ds_t.to(q.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(ds_ready.index(it % 2), count=1)
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+        if it % 2 == half:  # this warpgroup's turn: dQ over all 128 keys, while the other runs ahead
+            own = ds.slice(half * ROWS, ROWS, dim=0).permute((1, 0))       # (64 queries, its 64 keys)
+            dq = warpgroup_mma(own, k, dq_zero, use_acc=False, is_async=True)  # (64 queries, D)
+            mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
+            other = ds.slice((1 - half) * ROWS, ROWS, dim=0).permute((1, 0))
+            dq = warpgroup_mma(other, k_other, dq, is_async=True)
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+            # the copy engine adds the tile into dQ (rows past Nq are clipped) once its last add has read it
+            tma.store_wait(0)
+            gl.thread_barrier()
+            dq_tile.store(dq * scale)
+            fence_async_shared()
+            gl.thread_barrier()
+            _tma_add(dqa_desc, [b, h, m * ROWS, 0], dq_smem.index(half))
+        mbarrier.arrive(q_empty.index(slot), count=1)
+        mbarrier.arrive(do_empty.index(slot), count=1)
+    return dk, dv
+
+
+@gluon.jit
+def _consumer(DK, DV, Lse2, Delta, dqa_desc, shared, b, h_first, key0, half, starts, n_m, Nq, Nk, right, qk_scale,
+              scale, stride_dk, stride_dv, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+              HAS_RIGHT: gl.constexpr):
+    """One warpgroup: keys ``key0 + half * 64 ...`` of the tile, from K and V in shared memory to their rows
+    of DK and DV. starts: ``(m_start, full_start, full_end, m_end)`` of :func:`q_range`."""
+    (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
+     ds_ready) = shared
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, ROWS, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    s_zero = gl.zeros([ROWS, ROWS], gl.float32, layout=s_layout)            # (64 keys, 64 queries)
+    dq_zero = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)    # (64 queries, D)
+    dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)          # (64 keys, D)
+    dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+    k = k_smem.reshape([BLOCK_N, HEAD_DIM]).slice(half * ROWS, ROWS, dim=0)  # (64 keys, D)
+    v = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(half * ROWS, ROWS, dim=0)
+    k_other = k_smem.reshape([BLOCK_N, HEAD_DIM]).slice((1 - half) * ROWS, ROWS, dim=0)  # the other's keys
+    keys = key0 + half * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (64,)
+    mbarrier.wait(kv_ready, 0)
+    for g in range(GROUP):
+        h = h_first + g
+        row_base = (b * gl.num_programs(1) * GROUP + h) * Nq  # (B, Hq, Nq) row 0 of head h
+        it = g * n_m
+        for segment in gl.static_range(3):  # masked edge, unmasked interior, masked edge
+            lo = starts[segment]
+            hi = starts[segment + 1]
+            dk, dv = _steps(k, v, k_other, shared, dk, dv, Lse2, Delta, dqa_desc, lo, hi, it + lo - starts[0], b, h,
+                            half, keys, s_zero, dq_zero, qk_scale, scale, row_base, Nq, Nk, right, HAS_RIGHT,
+                            segment != 1)
+    tma.store_wait(0)  # the last add has read its tile before the program's shared memory goes
+    key_rows = key0 + half * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))  # (64,)
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))                      # (D,)
+    hkv = h_first // GROUP
+    ok = (key_rows < Nk)[:, None]
+    dk_rows = b.to(gl.int64) * stride_dk[0] + hkv * stride_dk[1] + key_rows.to(gl.int64) * stride_dk[2]
+    gl.store(DK + dk_rows[:, None] + cols[None, :], (dk * scale).to(DK.dtype.element_ty), mask=ok)
+    dv_rows = b.to(gl.int64) * stride_dv[0] + hkv * stride_dv[1] + key_rows.to(gl.int64) * stride_dv[2]
+    gl.store(DV + dv_rows[:, None] + cols[None, :], dv.to(DV.dtype.element_ty), mask=ok)
+
+
+@gluon.jit(do_not_specialize=["Nq", "Nk", "right"])
+def _backward_kernel(q_desc, k_desc, v_desc, do_desc, dqa_desc, DK, DV, Lse2, Delta, Nq, Nk, right, qk_scale,
+                     scale, stride_dk, stride_dv, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     HAS_RIGHT: gl.constexpr):
+    """Grid ``(cdiv(Nk, 128), Hkv, B)``: dK, dV of one 128-key tile of one kv head, and its share of dQ.
+
+    q_desc, do_desc: descriptors over (B, Hq, Nq, D) moving (1, 1, 64, D) tiles; k_desc, v_desc: over (B,
+    Hkv, Nk, D) moving (1, 1, 128, D). DK, DV: (B, Hkv, Nk, D) with (batch, head, row) strides
+    ``stride_dk``, ``stride_dv``; Lse2 (base-2 LSE), Delta: (B, Hq, Nq) float32 contiguous; dqa_desc: over
+    (B, Hq, Nq, D) float32, zeroed, moving (1, 1, 64, D) tiles: receives ``scale * dS K``. Full attention, or
+    causal (``right`` = 0 with HAS_RIGHT); qk_scale = scale * log2(e).
+    """
+    tile = gl.program_id(0)
+    hkv = gl.program_id(1)
+    b = gl.program_id(2)
+    key0 = tile * BLOCK_N
+    m_start, full_start, full_end, m_end = q_range(key0, Nq, Nk, 0, right, 0, ROWS, BLOCK_N, False, HAS_RIGHT)
+    n_m = m_end - m_start
+    h_first = hkv * GROUP
+
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROWS], q_desc.dtype)
+    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, ROWS], ds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dqa_desc.block_type.shape, dqa_desc.layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for slot in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(slot), count=1)  # the producer's expect + the copy's bytes
+        mbarrier.init(q_empty.index(slot), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(do_ready.index(slot), count=1)
+        mbarrier.init(do_empty.index(slot), count=2)
+    for parity in gl.static_range(2):
+        mbarrier.init(ds_ready.index(parity), count=2)  # both halves of dS^T written
+
+    shared = (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
+              ds_ready)
+    starts = (m_start, full_start, full_end, m_end)
+    gl.warp_specialize([
+        (_consumer, (DK, DV, Lse2, Delta, dqa_desc, shared, b, h_first, key0, 0, starts, n_m, Nq, Nk, right, qk_scale,
+                     scale, stride_dk, stride_dv, GROUP, HEAD_DIM, HAS_RIGHT)),
+        (_consumer, (DK, DV, Lse2, Delta, dqa_desc, shared, b, h_first, key0, 1, starts, n_m, Nq, Nk, right, qk_scale,
+                     scale, stride_dk, stride_dv, GROUP, HEAD_DIM, HAS_RIGHT)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, shared, b, h_first, key0, m_start, n_m, GROUP)),
+    ], [4, 1], [240, 24])
+
+
+def serves(dtype: torch.dtype, head_dim: int, value_dim: int, pattern: Pattern, has_sinks: bool) -> bool:
+    """Whether the non-deterministic backward of calls of this kind takes this kernel on sm_90: 16-bit, D =
+    Dv in ``HEAD_DIMS``, full or causal attention, no learned sinks (their gradient needs rows of P * dP
+    summed over every key: the deterministic backward computes them)."""
+    return (dtype in _GL_DTYPES and head_dim in HEAD_DIMS and value_dim == head_dim and pattern.left < 0
+            and pattern.right in (-1, 0) and not has_sinks)
+
+
+def supported(q, k, v, dout, pattern: Pattern, has_sinks: bool) -> bool:
+    """Whether this kernel serves this dense call: a ``VERIFIED`` Triton, q on an sm_90 GPU, a call of the
+    kind :func:`serves`, and operands (dO included) a TMA descriptor can read."""
+    return (VERIFIED and q.is_cuda and configs.capability_major(q.device) == 9
+            and serves(q.dtype, q.shape[3], v.shape[3], pattern, has_sinks)
+            and descriptors.supported(q, k, v, dout))
+
+
+def _dq_descriptor(dqa: torch.Tensor) -> TensorDescriptor:
+    """A descriptor over the float32 dQ accumulator (B, Hq, Nq, D) moving (1, 1, 64, D) tiles."""
+    block = [1, 1, ROWS.value, dqa.shape[3]]
+    return TensorDescriptor(dqa, list(dqa.shape), list(dqa.stride()), block,
+                            gl.NVMMASharedLayout.get_default_for(block, gl.float32))
+
+
+def backward(q, k, v, dout, dk, dv, dqa, lse2, delta, pattern: Pattern, scale: float) -> None:
+    """Fill dk, dv (like k, v) and add ``scale * dS K`` into dqa (B, Hq, Nq, D) float32 contiguous, zeroed,
+    for a dense call :func:`supported` accepts. q, dout: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D); lse2, delta:
+    (B, Hq, Nq) float32 contiguous, the base-2 LSE and ``rowsum(dO * O) - dLSE`` (the dQ kernel's
+    statistics)."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    _backward_kernel[(cdiv(Nk, BLOCK_N.value), Hkv, B)](
+        _descriptor(q, ROWS.value), _descriptor(k, BLOCK_N.value), _descriptor(v, BLOCK_N.value), _descriptor(dout, ROWS.value), _dq_descriptor(dqa), dk, dv, lse2, delta,
+        Nq, Nk,
+        max(pattern.right, 0), scale * math.log2(math.e), scale, tuple(dk.stride()[:3]), tuple(dv.stride()[:3]),
+        GROUP=Hq // Hkv, HEAD_DIM=D, HAS_RIGHT=pattern.right >= 0, num_warps=4, maxnreg=168)
