@@ -216,7 +216,7 @@ def _op_cases(device, backend):
     total = sum(lengths)
     packed = (torch.randn(total, 4, 24, device=device), torch.randn(total, 2, 24, device=device),
               torch.randn(total, 2, 40, device=device), s, cu, cu)
-    options = (5, 0, 2, 0.3, backend)  # left, right, sink_tokens, scale, backend
+    options = (5, 0, 2, 0.3, backend, True)  # left, right, sink_tokens, scale, backend, deterministic
     return [((q, k, v, s, None, None), (29, 29, *options)), (packed, (max(lengths), max(lengths), *options))]
 
 

@@ -63,10 +63,32 @@ def _block_range(row0, Nq, Nk, left, right, sink_tokens, HAS_LEFT: gl.constexpr,
 
 
 @gluon.jit
+def _ring_barriers(slots: gl.constexpr):
+    """The initialised ``ready`` and ``empty`` barriers of a ring of ``slots`` slots: ``ready`` completes on
+    the producer's expect and the copy's bytes, ``empty`` on one arrival per consumer warpgroup."""
+    ready = gl.allocate_shared_memory(gl.int64, [slots, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [slots, 1], mbarrier.MBarrierLayout())
+    for slot in gl.static_range(slots):
+        mbarrier.init(ready.index(slot), count=1)
+        mbarrier.init(empty.index(slot), count=2)
+    return ready, empty
+
+
+@gluon.jit
+def _ring_load(desc, coord, ring, ready, empty, i):
+    """Copy the tile at ``coord`` into slot ``i % slots`` of ``ring`` (slots: its first dim) once every consumer
+    has freed the slot (a fresh barrier counts as freed: the first wait is on phase 1), completing on the
+    slot's ``ready`` barrier."""
+    slots: gl.constexpr = ring.shape[0]
+    mbarrier.wait(empty.index(i % slots), ((i // slots) & 1) ^ 1)
+    mbarrier.expect(ready.index(i % slots), desc.block_type.nbytes)
+    _tma_load(desc, coord, ready.index(i % slots), ring.index(i % slots))
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, v_desc, shared, batch, h, h_kv, row0, q_start, k_start, pattern,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """One warp: Q once, then K and V of every step into slot ``step % STAGES``, each waiting until both
-    consumers have freed the slot (a fresh barrier counts as freed: the first wait is on phase 1).
+    """One warp: Q once, then K and V of every step into slot ``step % STAGES`` of their rings.
     shared: the kernel's buffers and barriers; batch: the descriptors' first coordinate; q_start, k_start:
     the sequence's first row (0 unless packed); pattern: ``(Nq, Nk, left, right, sink_tokens)`` of it."""
     q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty = shared
@@ -78,14 +100,8 @@ def _producer(q_desc, k_desc, v_desc, shared, batch, h, h_kv, row0, q_start, k_s
                                                              HAS_LEFT, HAS_RIGHT)
     for i in range(n):
         start = k_start + gl.where(i < n_sink, i, i - n_sink + band_start) * BLOCK_N
-        slot = i % STAGES
-        phase = (i // STAGES) & 1
-        mbarrier.wait(k_empty.index(slot), phase ^ 1)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        _tma_load(k_desc, [batch, h_kv, start, 0], k_ready.index(slot), k_smem.index(slot))
-        mbarrier.wait(v_empty.index(slot), phase ^ 1)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        _tma_load(v_desc, [batch, h_kv, start, 0], v_ready.index(slot), v_smem.index(slot))
+        _ring_load(k_desc, [batch, h_kv, start, 0], k_smem, k_ready, k_empty, i)
+        _ring_load(v_desc, [batch, h_kv, start, 0], v_smem, v_ready, v_empty, i)
 
 
 @gluon.jit
@@ -239,16 +255,9 @@ def _forward_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sinks, CuQ, CuK, N
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_ready, count=1)
-    for slot in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(slot), count=1)  # the producer's expect + the copy's bytes
-        mbarrier.init(k_empty.index(slot), count=2)  # one arrival per consumer warpgroup
-        mbarrier.init(v_ready.index(slot), count=1)
-        mbarrier.init(v_empty.index(slot), count=2)
+    k_ready, k_empty = _ring_barriers(STAGES)
+    v_ready, v_empty = _ring_barriers(STAGES)
 
     shared = (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty)
     pattern = (Nq, Nk, left, right, sink_tokens)

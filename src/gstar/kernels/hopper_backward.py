@@ -45,7 +45,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..pattern import Pattern, cdiv
 from . import configs, descriptors
-from .hopper import _GL_DTYPES, VERIFIED, _descriptor, _operand, _tma_load
+from .hopper import _GL_DTYPES, VERIFIED, _descriptor, _operand, _ring_barriers, _ring_load, _tma_load
 from .ranges import q_range, visible
 
 ROWS = gl.constexpr(64)  # queries per step, and keys per consumer warpgroup: wgmma's M
@@ -68,29 +68,23 @@ def _tma_add_3_6(tensor_desc, coord, src, _semantic=None):
 
 
 _tma_add = getattr(tma, "async_atomic_add", None) or _tma_add_3_6
+# the warpgroup-wide barrier (a named barrier inside a partition), renamed gl.barrier after 3.6
+_sync_warpgroup = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, shared, batch, h_first, key0, m_start, n_m, GROUP: gl.constexpr):
-    """One warp: K and V, then Q and dO of every step into slot ``step % STAGES`` once both consumers have
-    freed it (a fresh barrier counts as freed). Step ``it`` is query head ``h_first + it // n_m``, Q tile
-    ``m_start + it % n_m``."""
+    """One warp: K and V, then Q and dO of every step into slot ``step % STAGES`` of their rings. Step ``it``
+    is query head ``h_first + it // n_m``, Q tile ``m_start + it % n_m``."""
     (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
      ds_ready) = shared
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     _tma_load(k_desc, [batch, h_first // GROUP, key0, 0], kv_ready, k_smem)
     _tma_load(v_desc, [batch, h_first // GROUP, key0, 0], kv_ready, v_smem)
     for it in range(GROUP * n_m):
-        h = h_first + it // n_m
-        row0 = (m_start + it % n_m) * ROWS
-        slot = it % STAGES
-        phase = (it // STAGES) & 1
-        mbarrier.wait(q_empty.index(slot), phase ^ 1)
-        mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
-        _tma_load(q_desc, [batch, h, row0, 0], q_ready.index(slot), q_smem.index(slot))
-        mbarrier.wait(do_empty.index(slot), phase ^ 1)
-        mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
-        _tma_load(do_desc, [batch, h, row0, 0], do_ready.index(slot), do_smem.index(slot))
+        coord = [batch, h_first + it // n_m, (m_start + it % n_m) * ROWS, 0]
+        _ring_load(q_desc, coord, q_smem, q_ready, q_empty, it)
+        _ring_load(do_desc, coord, do_smem, do_ready, do_empty, it)
 
 
 @gluon.jit
@@ -134,7 +128,7 @@ def _steps(k, v, k_other, shared, dk, dv, Lse2, Delta, dqa_desc, lo, hi, it0, b,
         ds = ds_smem.index(it % 2)
         ds.slice(half * ROWS, ROWS, dim=0).store(ds_t.to(q.dtype))
         fence_async_shared()
-        gl.thread_barrier()
+        _sync_warpgroup()
         mbarrier.arrive(ds_ready.index(it % 2), count=1)
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
         if it % 2 == half:  # this warpgroup's turn: dQ over all 128 keys, while the other runs ahead
@@ -146,10 +140,10 @@ def _steps(k, v, k_other, shared, dk, dv, Lse2, Delta, dqa_desc, lo, hi, it0, b,
             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
             # the copy engine adds the tile into dQ (rows past Nq are clipped) once its last add has read it
             tma.store_wait(0)
-            gl.thread_barrier()
+            _sync_warpgroup()
             dq_tile.store(dq * scale)
             fence_async_shared()
-            gl.thread_barrier()
+            _sync_warpgroup()
             _tma_add(dqa_desc, [b, h, m * ROWS, 0], dq_smem.index(half))
         mbarrier.arrive(q_empty.index(slot), count=1)
         mbarrier.arrive(do_empty.index(slot), count=1)
@@ -226,17 +220,10 @@ def _backward_kernel(q_desc, k_desc, v_desc, do_desc, dqa_desc, DK, DV, Lse2, De
     ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, ROWS], ds_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dqa_desc.block_type.shape, dqa_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
-    for slot in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(slot), count=1)  # the producer's expect + the copy's bytes
-        mbarrier.init(q_empty.index(slot), count=2)  # one arrival per consumer warpgroup
-        mbarrier.init(do_ready.index(slot), count=1)
-        mbarrier.init(do_empty.index(slot), count=2)
+    q_ready, q_empty = _ring_barriers(STAGES)
+    do_ready, do_empty = _ring_barriers(STAGES)
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for parity in gl.static_range(2):
         mbarrier.init(ds_ready.index(parity), count=2)  # both halves of dS^T written
 
