@@ -208,9 +208,9 @@ def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
             (:mod:`gstar.fp8` says how the kernel uses them).
         out_dtype: the output's dtype for FP8 inputs (bfloat16, float16 or float32; default bfloat16).
         deterministic: the backward's gradients are bitwise reproducible from run to run (the default).
-            ``False`` lets an H100 / H200 add dQ up across key tiles with float32 atomics where its fused
-            backward serves the call (16-bit, head dim 64 or 128 for q, k and v, full or causal, no learned
-            sinks): five matmuls per tile pair instead of seven, with dQ's last bits varying between runs
+            ``False`` lets an H100 / H200 take its fused backward where it serves the call (16-bit, head dim
+            128 for q, k and v, full or causal, no learned sinks): five matmuls per tile pair instead of seven,
+            dQ added up across key tiles in float32 by the copy engine, so its last bits vary between runs
             (within the same accuracy bar). Everywhere else it changes nothing.
 
     Nq = 3, Nk = 5, ``causal=True`` (``1`` = visible), and with ``window=(1, 0), sink_tokens=1``::

@@ -53,8 +53,9 @@ class Options(NamedTuple):
 
 
 # The operators' schema is flat (it takes no tuples): the fields of Inputs, then those of the pattern, the
-# scale and the backend. _op_args and _named are the only code that knows these positions.
-_OPTION_ARGS = "SymInt nq, SymInt nk, SymInt left, SymInt right, SymInt sink_tokens, float scale, str backend, bool deterministic"
+# scale, the backend and the determinism flag. _op_args and _named are the only code that knows these positions.
+_OPTION_ARGS = ("SymInt nq, SymInt nk, SymInt left, SymInt right, SymInt sink_tokens, float scale, str backend, "
+                "bool deterministic")
 _ARGS = f"Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, {_OPTION_ARGS}"
 
 
@@ -67,7 +68,8 @@ def _op_args(inputs: Inputs, options: Options) -> tuple:
 
 def _named(args: tuple) -> tuple[Inputs, Options]:
     """The operators' positional arguments to names (the inverse of :func:`_op_args`)."""
-    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, nq, nk, left, right, sink_tokens, scale, backend, deterministic = args
+    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, nq, nk, left, right, sink_tokens, scale, backend, deterministic = (
+        args)
     return (Inputs(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k),
             Options(Pattern(nq, nk, left, right, sink_tokens), scale, backend, deterministic))
 

@@ -493,7 +493,8 @@ class Fla(Peer):
 
 def all_peers() -> list[Peer]:
     """Every implementation, gstar first (the ratio column divides by its time)."""
-    return [Gstar(), GstarPadded(), GstarPrefill(), GstarNondeterministic(), Eager(), Sdpa("flash"), Sdpa("cudnn"), Flex(), FA4(), Fla()]
+    return [Gstar(), GstarPadded(), GstarPrefill(), GstarNondeterministic(), Eager(), Sdpa("flash"), Sdpa("cudnn"),
+            Flex(), FA4(), Fla()]
 
 
 PEER_NAMES = tuple(p.name for p in all_peers())

@@ -4,7 +4,8 @@ Suites (docs/design.md section 5): ``gpt-oss``, ``long``, ``fa``, ``mla``, ``sta
 ``decode``; or one custom case per ``--seqlen`` from the shape flags. Implementations: gstar, eager (Hugging
 Face GPT-OSS style), SDPA flash and cuDNN, compiled FlexAttention, and FlashAttention-4 / fla when importable;
 with a backward, also gstar with ``deterministic=False`` (``gstar-nondet``: dQ added up with atomics where the
-Hopper backward serves the case); the ``varlen`` suite compares gstar on packed documents with gstar on the same documents padded into a batch;
+Hopper backward serves the case); the ``varlen`` suite compares gstar on packed documents with gstar on the
+same documents padded into a batch;
 the ``decode`` suite (forward only) times decode steps against a cache, gstar's kvcache entry point beside its
 prefill kernel (``gstar-prefill``). Every row is checked against the naive oracle with the correctness bar
 before it is timed; a peer that cannot express a case shows as ``n/a (reason)``. Times are of calls made from

@@ -270,7 +270,7 @@ def backward(q, k, v, dout, dk, dv, dqa, lse2, delta, pattern: Pattern, scale: f
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     _backward_kernel[(cdiv(Nk, BLOCK_N.value), Hkv, B)](
-        _descriptor(q, ROWS.value), _descriptor(k, BLOCK_N.value), _descriptor(v, BLOCK_N.value), _descriptor(dout, ROWS.value), _dq_descriptor(dqa), dk, dv, lse2, delta,
-        Nq, Nk,
+        _descriptor(q, ROWS.value), _descriptor(k, BLOCK_N.value), _descriptor(v, BLOCK_N.value),
+        _descriptor(dout, ROWS.value), _dq_descriptor(dqa), dk, dv, lse2, delta, Nq, Nk,
         max(pattern.right, 0), scale * math.log2(math.e), scale, tuple(dk.stride()[:3]), tuple(dv.stride()[:3]),
         GROUP=Hq // Hkv, HEAD_DIM=D, HAS_RIGHT=pattern.right >= 0, num_warps=4, maxnreg=168)
