@@ -11,7 +11,8 @@ arrivals, one per warpgroup) once the product that read it has completed.
 
 The blocks a tile visits, which of them need the mask, and each block's softmax come from the functions every
 other kernel calls (:func:`gstar.kernels.ranges.kv_range`, :func:`gstar.kernels.ranges.visible` and
-:func:`gstar.kernels.forward.softmax_step`): sink-token blocks first, then the band, masked at its edges. :func:`supported` says which calls take this kernel: on sm_90 the
+:func:`gstar.kernels.forward.softmax_step`): sink-token blocks first, then the band, masked at its edges.
+:func:`supported` says which calls take this kernel: on sm_90 the
 dispatcher (:func:`gstar.kernels.attention.attention_forward`) prefers it where ``HEAD_DIMS`` says it was
 measured faster than the portable kernel (benchmarks/NOTES.md, 'Warp-specialised forward on Hopper').
 """
@@ -291,15 +292,15 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Patter
 
 @functools.lru_cache(maxsize=None)
 def _swizzle(rows: int, width: int, dtype: torch.dtype):
-    """The shared-memory layout of a (1, 1, rows, width) tile that wgmma reads (asked once per shape)."""
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, width], _GL_DTYPES[dtype])
+    """The shared-memory layout of a (1, 1, rows, width) tile that wgmma or a TMA copy reads (asked once per
+    shape; float32 for the backward's dQ tiles)."""
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, width], {**_GL_DTYPES, torch.float32: gl.float32}[dtype])
 
 
-def _descriptor(t: torch.Tensor, rows: int, width: int | None = None) -> TensorDescriptor:
-    """A descriptor over ``t`` (B, H, N, D) moving (1, 1, rows, width) tiles (default: whole rows, width D),
-    swizzled for wgmma."""
-    width = width or t.shape[3]
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, width], _swizzle(rows, width, t.dtype))
+def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A descriptor over ``t`` (B, H, N, D) moving (1, 1, rows, D) tiles, swizzled for wgmma."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[3]],
+                            _swizzle(rows, t.shape[3], t.dtype))
 
 
 def forward(q, k, v, sinks, out, lse, pattern: Pattern, scale: float, cu_seqlens=None) -> None:

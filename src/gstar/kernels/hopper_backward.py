@@ -41,7 +41,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..pattern import Pattern, cdiv
 from . import configs, descriptors
@@ -255,13 +254,6 @@ def supported(q, k, v, dout, pattern: Pattern, has_sinks: bool) -> bool:
             and descriptors.supported(q, k, v, dout))
 
 
-def _dq_descriptor(dqa: torch.Tensor) -> TensorDescriptor:
-    """A descriptor over the float32 dQ accumulator (B, Hq, Nq, D) moving (1, 1, 64, D) tiles."""
-    block = [1, 1, ROWS.value, dqa.shape[3]]
-    return TensorDescriptor(dqa, list(dqa.shape), list(dqa.stride()), block,
-                            gl.NVMMASharedLayout.get_default_for(block, gl.float32))
-
-
 def backward(q, k, v, dout, dk, dv, dqa, lse2, delta, pattern: Pattern, scale: float) -> None:
     """Fill dk, dv (like k, v) and add ``scale * dS K`` into dqa (B, Hq, Nq, D) float32 contiguous, zeroed,
     for a dense call :func:`supported` accepts. q, dout: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D); lse2, delta:
@@ -271,6 +263,6 @@ def backward(q, k, v, dout, dk, dv, dqa, lse2, delta, pattern: Pattern, scale: f
     Hkv, Nk = k.shape[1], k.shape[2]
     _backward_kernel[(cdiv(Nk, BLOCK_N.value), Hkv, B)](
         _descriptor(q, ROWS.value), _descriptor(k, BLOCK_N.value), _descriptor(v, BLOCK_N.value),
-        _descriptor(dout, ROWS.value), _dq_descriptor(dqa), dk, dv, lse2, delta, Nq, Nk,
+        _descriptor(dout, ROWS.value), _descriptor(dqa, ROWS.value), dk, dv, lse2, delta, Nq, Nk,
         max(pattern.right, 0), scale * math.log2(math.e), scale, tuple(dk.stride()[:3]), tuple(dv.stride()[:3]),
         GROUP=Hq // Hkv, HEAD_DIM=D, HAS_RIGHT=pattern.right >= 0, num_warps=4, maxnreg=168)
