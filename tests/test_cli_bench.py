@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gstar import flash_attention_varlen, naive_attention
-from gstar.bench import cases, measure
+from gstar.bench import cases, measure, report
 from gstar.bench.cases import Case, document_lengths, for_cpu, packed_case, suite
 from gstar.bench.peers import PEER_NAMES, Eager, Gstar, GstarPadded, Peer
 from gstar.bench.report import markdown_table
@@ -550,6 +550,20 @@ def test_table_merges_a_run_split_by_impls(tmp_path, capsys):
     assert "| B1 N64 | 1.000 | 3.000 |" in out and "| B1 N64 | 2.000 |" in out
     assert out.count("| case |") == 2
     assert png.stat().st_size > 0
+
+
+def test_plot_keeps_packed_documents_apart(monkeypatch, tmp_path):
+    """A packed case (documents of several lengths) and a dense batch of the same heads and pattern share a
+    series name but not a line: each gets its own subplot."""
+    _require("matplotlib")
+    titles = []
+    monkeypatch.setattr(report, "_save", lambda plt, fig, *a: titles.extend(ax.get_title() for ax in fig.axes
+                                                                            if ax.get_title()))
+    dense = dict(_json_row("B2 N4096", "gstar", "ok", 1.0), case={"label": "B2 N4096", "seqlen": 4096},
+                 series="H8 D64 causal bf16", tflops=1.0)
+    packed = dict(dense, case={"label": "16 docs", "seqlen": 4042, "lengths": [4042, 12]}, tflops=2.0)
+    report.plot(str(tmp_path / "p.png"), [dense, packed], {"card": "c", "torch": "t", "triton": "t"}, "fwd")
+    assert titles == ["H8 D64 causal bf16", "packed H8 D64 causal bf16"]
 
 
 def test_cpu_race_warms_up_and_takes_turns():

@@ -115,6 +115,13 @@ def merge_results(runs: list[dict]) -> list[dict]:
     return list(merged.values())
 
 
+def _plot_series(row: dict) -> str:
+    """The subplot of a row: its case's series, packed documents apart from dense batches of the same heads
+    (a packed case's length is its longest document's)."""
+    case = row["case"]
+    return ("packed " if case.get("lengths") and not case.get("queries") else "") + row["series"]
+
+
 def plot(path: str, rows: list[dict], env: dict, mode: str, metric: str = "tflops") -> None:
     """TFLOP/s (or time) against sequence length, one subplot per case series, one line per implementation;
     decode steps (whose cases differ in batch as well as length) as time per case beside its memory floor."""
@@ -125,14 +132,14 @@ def plot(path: str, rows: list[dict], env: dict, mode: str, metric: str = "tflop
     if rows and all(r["case"].get("family") == "decode" for r in rows):
         return _plot_decode(plt, path, rows, env)
     key = "tflops" if metric == "tflops" else "time_ms"
-    series = list(dict.fromkeys(r["series"] for r in rows))
+    series = list(dict.fromkeys(_plot_series(r) for r in rows))
     cols = min(3, max(1, len(series)))
     nrows = -(-len(series) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 4 * nrows), squeeze=False)
     for ax, name in zip(axes.flat, series):
         by_impl: dict[str, list] = {}
         for r in rows:
-            if r["series"] == name and r[key] is not None:
+            if _plot_series(r) == name and r[key] is not None:
                 by_impl.setdefault(r["impl"], []).append((r["case"]["seqlen"], r[key], r["status"]))
         for impl, pts in by_impl.items():
             pts.sort()
