@@ -13,7 +13,8 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-import gstar.integrations.transformers  # noqa: E402,F401  (registers "gstar")
+import gstar  # noqa: E402
+import gstar.integrations.transformers  # noqa: E402,F401  (registers "gstar" and "gstar_nondeterministic")
 from gstar.accuracy import max_error as _max_error  # noqa: E402
 from gstar.accuracy import relative_error  # noqa: E402
 from gstar.integrations.transformers import gstar_attention_forward, gstar_mask  # noqa: E402
@@ -183,6 +184,36 @@ def test_set_attn_implementation_switches_to_gstar():
     eager.set_attn_implementation("gstar")
     assert eager.config._attn_implementation == "gstar"
     assert max_error(eager(input_ids=ids).logits, ref) <= ATOL
+
+
+def test_nondeterministic_name_passes_the_flag(monkeypatch):
+    """``"gstar_nondeterministic"`` hands ``deterministic=False`` to :func:`gstar.flash_attention` (a call's own
+    flag wins) and, where no fused backward serves (here: the CPU), computes what ``"gstar"`` computes."""
+    integration = gstar.integrations.transformers
+    flags = []
+
+    def spy(*args, deterministic, **kwargs):
+        flags.append(deterministic)
+        return gstar.flash_attention(*args, deterministic=deterministic, **kwargs)
+
+    monkeypatch.setattr(integration, "flash_attention", spy)
+    _, ours = _pair(_llama)
+    other = transformers.AutoModelForCausalLM.from_config(_llama(), attn_implementation="gstar_nondeterministic")
+    other.load_state_dict(ours.state_dict())
+    ids = torch.randint(0, VOCAB, (2, N))
+    for model in (ours, other):
+        model(input_ids=ids).logits.square().sum().backward()
+    assert flags == [True, True, False, False]  # two layers each
+    assert torch.equal(other(input_ids=ids).logits, ours(input_ids=ids).logits)
+    for name, g in _grads(ours).items():
+        assert torch.equal(_grads(other)[name], g), name
+    flags.clear()
+    q, k, v = _projections(1, 4, 2, 7, 7, 8)
+    integration.gstar_nondeterministic_attention_forward(torch.nn.Module(), q, k, v, None, deterministic=True)
+    gstar_attention_forward(torch.nn.Module(), q, k, v, None, deterministic=False)
+    assert flags == [True, False]
+    with pytest.raises(TypeError, match="deterministic"):
+        gstar_attention_forward(torch.nn.Module(), q, k, v, None, deterministic=1)
 
 
 def test_sink_gradient_flows():

@@ -6,6 +6,11 @@ Importing this module registers it (see :func:`register`); then::
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="gstar")   # or
     model.set_attn_implementation("gstar")
 
+``"gstar_nondeterministic"`` is the same with ``deterministic=False``: on an H100 / H200 the backward of full and
+causal layers at head dim 128 (Llama, Qwen) then takes the fused kernel that adds dQ up with atomics (faster;
+dQ's last bits vary from run to run); everywhere else the two names compute the same. A model call may also
+pass ``deterministic=True / False`` itself (as transformers' flash-attention integration reads it).
+
 Any decoder whose attention is causal + GQA + optional sliding window + optional learned sinks runs exactly:
 GPT-OSS (``s_aux`` becomes ``sinks``, with its gradient), Llama, Qwen2/3, Mistral. The attention function
 takes the model's ``(B, heads, N, head_dim)`` projections and returns ``(B, N, Hq, head_dim)``, as
@@ -60,6 +65,7 @@ from ..kvcache import flash_attention_with_kvcache
 from ..varlen import cu_seqlens_from_mask, cu_seqlens_from_position_ids, pad, unpad
 
 NAME = "gstar"
+NONDETERMINISTIC = "gstar_nondeterministic"
 
 
 class _Plans:
@@ -189,7 +195,7 @@ def _flattened_plan(cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, de
 def gstar_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                             sliding_window=None, softcap=None, is_causal=None, s_aux=None, position_ids=None,
                             cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None,
-                            **kwargs):
+                            deterministic=None, **kwargs):
     """transformers attention function backed by gstar (registered as ``"gstar"``).
 
     Args:
@@ -208,6 +214,8 @@ def gstar_attention_forward(module, query, key, value, attention_mask, scaling=N
         position_ids: ``(B, N)`` or ``(1, N)``; ids restarting at 0 inside a row mark packed documents.
         cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k: document boundaries of a flattened batch
             (from e.g. ``DataCollatorWithFlattening``); take precedence over position ids.
+        deterministic: :func:`gstar.flash_attention`'s flag for a plain batch (None: True, gstar's default;
+            packed, padded and cached batches have only the deterministic backward).
         kwargs: whatever else the model forwards (ignored).
 
     Returns ``(attn_output, None)``, ``attn_output`` ``(B, Nq, Hq, Dv)``, as the flash integrations do (no
@@ -254,7 +262,8 @@ def gstar_attention_forward(module, query, key, value, attention_mask, scaling=N
             plan = _plans.get((position_ids,), ("pos", query.shape[0]),
                               lambda: _packing_plan(position_ids, query.shape[0]))
         if plan is None:
-            out = _rows_first(flash_attention(query, key, value, **opts))
+            flag = True if deterministic is None else deterministic
+            out = _rows_first(flash_attention(query, key, value, deterministic=flag, **opts))
         elif query.shape[2] != key.shape[2]:
             raise ValueError("gstar attention cannot combine packed documents (position ids restarting at 0) "
                              "with a KV cache")
@@ -308,10 +317,19 @@ def gstar_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_of
     return _filled_lengths(batch_size, q_length, kv_length, q_offset, kv_offset, cache_position, device)
 
 
+def gstar_nondeterministic_attention_forward(*args, deterministic=None, **kwargs):
+    """The ``"gstar_nondeterministic"`` implementation: :func:`gstar_attention_forward` with
+    ``deterministic=False`` unless the call passes the flag itself."""
+    return gstar_attention_forward(*args, deterministic=False if deterministic is None else deterministic, **kwargs)
+
+
 def register():
-    """Register ``"gstar"`` with transformers' attention and mask interfaces (idempotent)."""
-    AttentionInterface.register(NAME, gstar_attention_forward)
-    AttentionMaskInterface.register(NAME, gstar_mask)
+    """Register ``"gstar"`` and ``"gstar_nondeterministic"`` with transformers' attention and mask interfaces
+    (idempotent)."""
+    for name, attention in ((NAME, gstar_attention_forward),
+                            (NONDETERMINISTIC, gstar_nondeterministic_attention_forward)):
+        AttentionInterface.register(name, attention)
+        AttentionMaskInterface.register(name, gstar_mask)
 
 
 register()
