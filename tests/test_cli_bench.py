@@ -13,7 +13,7 @@ import torch
 from gstar import flash_attention_varlen, naive_attention
 from gstar.bench import cases, measure, report
 from gstar.bench.cases import Case, document_lengths, for_cpu, packed_case, suite
-from gstar.bench.peers import PEER_NAMES, Eager, Gstar, GstarPadded, Peer
+from gstar.bench.peers import PEER_NAMES, Eager, Gstar, GstarNondeterministic, GstarPadded, Peer
 from gstar.bench.report import markdown_table
 from gstar.bench.runner import add_ratios, run_row
 from gstar.cli.bench import cases_from_args, timing_of
@@ -550,6 +550,24 @@ def test_table_merges_a_run_split_by_impls(tmp_path, capsys):
     assert "| B1 N64 | 1.000 | 3.000 |" in out and "| B1 N64 | 2.000 |" in out
     assert out.count("| case |") == 2
     assert png.stat().st_size > 0
+
+
+def test_nondeterministic_row_asks_for_the_flag(monkeypatch):
+    """``gstar-nondet`` is gstar's call with ``deterministic=False`` (``gstar`` keeps the default), on dense cases
+    with a backward only."""
+    import gstar.api
+    flags = []
+    real = gstar.api.flash_attention
+    monkeypatch.setattr(gstar.api, "flash_attention",
+                        lambda *a, deterministic, **kw: flags.append(deterministic) or real(*a, **kw))
+    case = cases.custom([40], batch=1, heads=2, kv_heads=1, head_dim=16, causal=True, dtype="float32")[0]
+    q, k, v = (torch.randn(1, h, 40, 16) for h in (2, 1, 1))
+    for peer in (Gstar(), GstarNondeterministic()):
+        peer.build(case, torch.device("cpu"))(q, k, v, None)
+    assert flags == [True, False]
+    nondet = GstarNondeterministic()
+    assert nondet.unsupported(case, torch.device("cpu"), "fwd") and not nondet.unsupported(case, None, "fwd+bwd")
+    assert not nondet.applies(packed_case("varlen", (5, 7), heads=2, kv_heads=1, head_dim=16))
 
 
 def test_plot_keeps_packed_documents_apart(monkeypatch, tmp_path):

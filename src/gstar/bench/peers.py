@@ -109,6 +109,7 @@ class Gstar(Peer):
     module = "gstar"
     kvcache = True  # a decode case through flash_attention_with_kvcache
     fp8 = True
+    deterministic = True  # flash_attention's flag for a dense case
 
     def applies(self, case):
         return True
@@ -126,7 +127,8 @@ class Gstar(Peer):
             cu, n = case.cu_seqlens(device), case.seqlen
             return lambda q, k, v, sinks, **fp8: flash_attention_varlen(q, k, v, cu, cu, n, n, sinks=sinks, **kw,
                                                                         **fp8)
-        return lambda q, k, v, sinks, **fp8: flash_attention(q, k, v, sinks=sinks, **kw, **fp8)
+        return lambda q, k, v, sinks, **fp8: flash_attention(q, k, v, sinks=sinks, deterministic=self.deterministic,
+                                                             **kw, **fp8)
 
 
 class GstarPadded(Gstar):
@@ -164,18 +166,13 @@ class GstarNondeterministic(Gstar):
     get a row."""
 
     name = "gstar-nondet"
-    kvcache = False
+    deterministic = False
 
     def applies(self, case):
         return not (case.packed or case.decode)
 
     def unsupported(self, case, device, mode):
         return "the forward is gstar's" if mode == "fwd" else None
-
-    def build(self, case, device):
-        from ..api import flash_attention
-        return lambda q, k, v, sinks: flash_attention(q, k, v, sinks=sinks, causal=case.causal, window=case.window,
-                                                      sink_tokens=case.sink_tokens, deterministic=False)
 
 
 class Eager(Peer):

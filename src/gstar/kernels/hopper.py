@@ -274,20 +274,30 @@ def _forward_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sinks, CuQ, CuK, N
     ], [4, 1], [240, 24])
 
 
+def _full_or_causal(dtype: torch.dtype, head_dim: int, value_dim: int, pattern: Pattern, head_dims) -> bool:
+    """The calls both Hopper kernels are built for: 16-bit, D = Dv in ``head_dims``, full or causal attention
+    (no left bound: the window layers stay on the portable kernels, which beat every peer there)."""
+    return (dtype in _GL_DTYPES and head_dim in head_dims and value_dim == head_dim and pattern.left < 0
+            and pattern.right in (-1, 0))
+
+
+def _on_hopper(q: torch.Tensor) -> bool:
+    """A ``VERIFIED`` Triton and q on an sm_90 GPU."""
+    return VERIFIED and q.is_cuda and configs.capability_major(q.device) == 9
+
+
 def serves(dtype: torch.dtype, head_dim: int, value_dim: int, pattern: Pattern) -> bool:
-    """Whether the calls of this kind take this kernel on sm_90: 16-bit, a head dim of ``HEAD_DIMS`` (D = Dv),
-    full or causal attention (no left bound: the window layers stay on the portable kernel, which beats every
-    peer there), at least one full Q tile (the longest sequence's, when packed)."""
-    return (dtype in _GL_DTYPES and head_dim in HEAD_DIMS and value_dim == head_dim and pattern.left < 0
-            and pattern.right in (-1, 0) and pattern.nq >= BLOCK_M.value)
+    """Whether the calls of this kind take this kernel on sm_90: full or causal 16-bit attention at a head dim
+    of ``HEAD_DIMS`` (D = Dv), at least one full Q tile (the longest sequence's, when packed)."""
+    return _full_or_causal(dtype, head_dim, value_dim, pattern, HEAD_DIMS) and pattern.nq >= BLOCK_M.value
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern) -> bool:
     """Whether this kernel serves this call (dense, or the heads-first views of packed sequences): a
     ``VERIFIED`` Triton, q on an sm_90 GPU, a call of the kind :func:`serves`, and operands a TMA descriptor
     can read."""
-    return (VERIFIED and q.is_cuda and configs.capability_major(q.device) == 9
-            and serves(q.dtype, q.shape[3], v.shape[3], pattern) and descriptors.supported(q, k, v))
+    return (_on_hopper(q) and serves(q.dtype, q.shape[3], v.shape[3], pattern)
+            and descriptors.supported(q, k, v))
 
 
 @functools.lru_cache(maxsize=None)

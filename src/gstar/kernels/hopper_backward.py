@@ -43,8 +43,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ..pattern import Pattern, cdiv
-from . import configs, descriptors
-from .hopper import _GL_DTYPES, VERIFIED, _descriptor, _operand, _ring_barriers, _ring_load, _tma_load
+from . import descriptors
+from .hopper import _descriptor, _full_or_causal, _on_hopper, _operand, _ring_barriers, _ring_load, _tma_load
 from .ranges import q_range, visible
 
 ROWS = gl.constexpr(64)  # queries per step, and keys per consumer warpgroup: wgmma's M
@@ -242,15 +242,13 @@ def serves(dtype: torch.dtype, head_dim: int, value_dim: int, pattern: Pattern, 
     """Whether the non-deterministic backward of calls of this kind takes this kernel on sm_90: 16-bit, D =
     Dv in ``HEAD_DIMS``, full or causal attention, no learned sinks (their gradient needs rows of P * dP
     summed over every key: the deterministic backward computes them)."""
-    return (dtype in _GL_DTYPES and head_dim in HEAD_DIMS and value_dim == head_dim and pattern.left < 0
-            and pattern.right in (-1, 0) and not has_sinks)
+    return _full_or_causal(dtype, head_dim, value_dim, pattern, HEAD_DIMS) and not has_sinks
 
 
 def supported(q, k, v, dout, pattern: Pattern, has_sinks: bool) -> bool:
     """Whether this kernel serves this dense call: a ``VERIFIED`` Triton, q on an sm_90 GPU, a call of the
     kind :func:`serves`, and operands (dO included) a TMA descriptor can read."""
-    return (VERIFIED and q.is_cuda and configs.capability_major(q.device) == 9
-            and serves(q.dtype, q.shape[3], v.shape[3], pattern, has_sinks)
+    return (_on_hopper(q) and serves(q.dtype, q.shape[3], v.shape[3], pattern, has_sinks)
             and descriptors.supported(q, k, v, dout))
 
 
