@@ -216,6 +216,24 @@ def test_bad_input():
         gstar.quantize_fp8(q8)
 
 
+@pytest.mark.parametrize("layout", ["values", "heads-first", "strided"])
+def test_widen_is_exact(layout, device):
+    """gstar.kernels.widen (V before the Hopper kernel's bfloat16 P V) equals PyTorch's conversion bit for bit:
+    every finite e4m3 value, a heads-first view of (B, N, H, D) whose strides it keeps, and a strided slice
+    (PyTorch's copy)."""
+    from gstar.kernels.widen import widen
+    if layout == "values":
+        x = torch.arange(256, dtype=torch.uint8).view(FP8)
+        x = x[x.float().isfinite()].to(device)
+    else:
+        x = (torch.randn(2, 37, 3, 64) * 100).to(FP8).to(device)
+        x = x.transpose(1, 2) if layout == "heads-first" else x[:, ::2]
+    out = widen(x, torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, x.to(torch.bfloat16))
+    if layout == "heads-first":
+        assert out.stride() == x.stride()
+
+
 # --------------------------------------------------------------------------------------------- GPU tier
 
 SHAPES = {"odd": ((2, 6, 2, 37, 45, 64),), "gqa8-d128": ((1, 16, 2, 300, 300, 128),), "d80": ((2, 4, 4, 129, 77, 80),)}

@@ -1,11 +1,12 @@
 """The warp-specialised Hopper forward (gstar.kernels.hopper): it meets the accuracy bar beside the portable
-kernel on every pattern it accepts, at odd lengths, dense and packed (the GPU tier, Hopper only), and the
-dispatcher sends it the calls :func:`gstar.kernels.hopper.supported` accepts and nothing else. Gluon kernels
-have no interpreter: tests/test_kernel_sass.py compiles this one for sm_90a on the CPU."""
+kernel on every pattern it accepts, at odd lengths, dense and packed, 16-bit and FP8 (the GPU tier, Hopper
+only), and the dispatcher sends it the calls :func:`gstar.kernels.hopper.supported` accepts and nothing else.
+Gluon kernels have no interpreter: tests/test_kernel_sass.py compiles this one for sm_90a on the CPU."""
 
 import pytest
 import torch
 
+import gstar
 from inputs import make_qkv
 from gstar.accuracy import verdict
 from gstar.kernels import attention_forward, hopper
@@ -26,6 +27,10 @@ hopper_only = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100 / 
     (torch.bfloat16, 128, 64, 256, True, (-1, -1), False),     # Dv != D
     (torch.float32, 128, 128, 256, True, (-1, -1), False),
     (torch.bfloat16, 64, 64, 256, True, (-1, -1), 64 in hopper.HEAD_DIMS),
+    (hopper.FP8, 128, 128, 256, True, (-1, -1), 128 in hopper.FP8_HEAD_DIMS),
+    (hopper.FP8, 64, 64, 256, False, (-1, -1), 64 in hopper.FP8_HEAD_DIMS),
+    (hopper.FP8, 128, 128, 256, True, (127, 0), False),         # an FP8 window layer
+    (hopper.FP8, 128, 64, 256, True, (-1, -1), False),
 ])
 def test_serves(dtype, D, Dv, nq, causal, window, expected):
     pattern = Pattern.make(nq, 300, causal=causal, window=window)
@@ -42,10 +47,11 @@ def _oracle(q, k, v, sinks, pattern, dtype):
                            sinks=None if sinks is None else sinks.to(dtype), scale=q.shape[-1] ** -0.5)
 
 
-def _check(out, lse, q, k, v, sinks, pattern):
-    """The 2x bar against PyTorch in q's dtype, on out and LSE, with a float32 oracle; empty rows exact."""
+def _check(out, lse, q, k, v, sinks, pattern, low=None):
+    """The 2x bar against PyTorch in ``low`` (default: q's dtype), on out and LSE, with a float32 oracle; empty
+    rows exact. FP8: q, k, v are the dequantised inputs (float64) and ``low`` bfloat16."""
     ref_out, ref_lse = _oracle(q, k, v, sinks, pattern, torch.float32)
-    pt_out, pt_lse = _oracle(q, k, v, sinks, pattern, q.dtype)
+    pt_out, pt_lse = _oracle(q, k, v, sinks, pattern, low or q.dtype)
     for v_ in (verdict("out", out, ref_out, pt_out), verdict("lse", lse, ref_lse, pt_lse)):
         assert v_.ok, str(v_)
     empty = ~pattern.mask(q.device).any(dim=-1)  # (Nq,) rows with no key: Nq > Nk under a causal mask
@@ -79,29 +85,40 @@ def test_gpu_both_kernels_within_bar(D, dtype, Nq, Nk, causal, with_sinks):
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("with_sinks", [False, True])
-def test_gpu_packed_sequences(D, causal, with_sinks):
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_gpu_packed_sequences(D, causal, with_sinks, fp8):
     """Packed sequences of odd, unequal lengths (a longest one of 300 rows, one shorter than a tile, Nq != Nk
-    both ways): each sequence within the bar against its own oracle, for both kernels; no row of one
-    sequence written by another's tile (the output starts as NaN)."""
+    both ways), bfloat16 or FP8 (descales per sequence and kv head): each sequence within the bar against its
+    own oracle, for both kernels; no row of one sequence written by another's tile (the output starts as
+    NaN)."""
     lengths_q, lengths_k = [300, 77, 129, 1], [300, 200, 64, 129]
     cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     q = torch.randn(sum(lengths_q), 8, D, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(sum(lengths_k), 2, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    values, fp8_args, low = (q, k, v), {}, None  # values: what the oracle attends to
+    if fp8:
+        (q, qd), (k, kd), (v, vd) = (gstar.quantize_fp8(x, cu_seqlens=cu, kv_heads=2)
+                                     for x, cu in ((q, cu_q), (k, cu_k), (v, cu_k)))
+        seq_q, seq_k = (torch.repeat_interleave(torch.tensor(n, device="cuda")) for n in (lengths_q, lengths_k))
+        values = (q.double() * qd.double().repeat_interleave(4, 1)[seq_q][:, :, None],
+                  k.double() * kd.double()[seq_k][:, :, None], v.double() * vd.double()[seq_k][:, :, None])
+        fp8_args, low = dict(descale=torch.stack((qd, kd, vd), dim=-1)), torch.bfloat16
     sinks = torch.randn(8, device="cuda") if with_sinks else None
     view = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731 - (1, H, total, D), as ops passes them
     pattern = Pattern.make(max(lengths_q), max(lengths_k), causal=causal)
-    out = torch.full_like(view(q), float("nan"))
+    out = torch.full(view(q).shape, float("nan"), device="cuda", dtype=torch.bfloat16)
     lse = torch.full((1, 8, q.shape[0]), float("nan"), device="cuda")
-    hopper.forward(view(q), view(k), view(v), sinks, out, lse, pattern, D ** -0.5, (cu_q, cu_k))
+    hopper.forward(view(q), view(k), view(v), sinks, out, lse, pattern, D ** -0.5, (cu_q, cu_k), **fp8_args)
     portable = attention_forward(view(q), view(k), view(v), sinks, pattern, D ** -0.5, config={},
-                                 cu_seqlens=(cu_q, cu_k))
+                                 cu_seqlens=(cu_q, cu_k), out_dtype=low, **fp8_args)
+    q, k, v = map(view, values)
     for s, (nq, nk) in enumerate(zip(lengths_q, lengths_k)):
         rows, keys = slice(cu_q[s], cu_q[s] + nq), slice(cu_k[s], cu_k[s] + nk)
         seq = Pattern.make(nq, nk, causal=causal)
-        args = (view(q)[:, :, rows], view(k)[:, :, keys], view(v)[:, :, keys], sinks, seq)
-        _check(out[:, :, rows], lse[:, :, rows], *args)
-        _check(portable[0][:, :, rows], portable[1][:, :, rows], *args)
+        args = (q[:, :, rows], k[:, :, keys], v[:, :, keys], sinks, seq)
+        _check(out[:, :, rows], lse[:, :, rows], *args, low=low)
+        _check(portable[0][:, :, rows], portable[1][:, :, rows], *args, low=low)
 
 
 @pytest.mark.gpu
@@ -124,4 +141,51 @@ def test_gpu_dispatch(D, Nq, causal, window, dtype, expected, monkeypatch):
 
 
 hopper_forward = hopper.forward
+
+
+def _fp8(q, k, v):
+    """FP8 q, k, v (each kv head's group scaled alike), their (B, Hkv, 3) descales as the kernels take them,
+    and the dequantised float64 values they stand for."""
+    group = q.shape[1] // k.shape[1]
+    (q8, qd), (k8, kd), (v8, vd) = gstar.quantize_fp8(q, kv_heads=k.shape[1]), *map(gstar.quantize_fp8, (k, v))
+    deq = [x.double() * d.double().repeat_interleave(g, 1)[:, :, None, None]
+           for x, d, g in ((q8, qd, group), (k8, kd, 1), (v8, vd, 1))]
+    return (q8, k8, v8), torch.stack((qd, kd, vd), dim=-1), deq
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("Nq,Nk", [(1000, 1000), (777, 300), (129, 4097)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_gpu_fp8_both_kernels_within_bar(D, Nq, Nk, causal, with_sinks):
+    """FP8 q, k, v with their descales, every pattern the Hopper kernel accepts at odd lengths ((B, N, H, D)
+    strides, GQA): the Hopper kernel and the portable one each within the FP8 bar (PyTorch in bfloat16 on the
+    dequantised inputs); the output starts as NaN."""
+    qkv, descale, deq = _fp8(*make_qkv(2, 8, 2, Nq, Nk, D, torch.float32, device="cuda", layout="bnhd"))
+    sinks = torch.randn(8, device="cuda") if with_sinks else None
+    pattern = Pattern.make(Nq, Nk, causal=causal)
+    out = torch.full(qkv[0].shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+    lse = torch.full(out.shape[:3], float("nan"), device="cuda")
+    hopper.forward(*qkv, sinks, out, lse, pattern, D ** -0.5, descale=descale)
+    _check(out, lse, *deq, sinks, pattern, low=torch.bfloat16)
+    portable = attention_forward(*qkv, sinks, pattern, D ** -0.5, config={}, descale=descale,
+                                 out_dtype=torch.bfloat16)
+    _check(*portable, *deq, sinks, pattern, low=torch.bfloat16)
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("D,out_dtype", [(128, torch.bfloat16), (64, torch.float16), (128, torch.float32)])
+def test_gpu_fp8_dispatch(D, out_dtype, monkeypatch):
+    """An FP8 call of a served kind takes the Hopper kernel on sm_90 (any output dtype), and its result is
+    the portable kernel's to within the bar."""
+    calls = []
+    monkeypatch.setattr(hopper, "forward", lambda *a: calls.append(a) or hopper_forward(*a))
+    qkv, descale, deq = _fp8(*make_qkv(1, 4, 2, 1000, 1000, D, torch.float32, device="cuda"))
+    pattern = Pattern.make(1000, 1000, causal=True)
+    out, lse = attention_forward(*qkv, None, pattern, D ** -0.5, descale=descale, out_dtype=out_dtype)
+    assert bool(calls) == (D in hopper.FP8_HEAD_DIMS and hopper.VERIFIED) and out.dtype == out_dtype
+    _check(out.float(), lse, *deq, None, pattern, low=torch.bfloat16)
 

@@ -106,9 +106,9 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
         # scale, or a zero scale, goes into a copy of q (in the kernel, a scaled Q tile would leave shared
         # memory for registers and cost every block of every call)
         q_in, scale = (-q, -scale) if scale < 0 else (q * 0.0, 1.0)
-    if config is None and descale is None and hopper.supported(q_in, k, v, pattern):
+    if config is None and hopper.supported(q_in, k, v, pattern):
         lse = buffers.empty(q.shape[:3], dtype=torch.float32, device=q.device)    # (B, Hq, Nq)
-        hopper.forward(q_in, k, v, sinks, out, lse, pattern, scale, cu_seqlens)
+        hopper.forward(q_in, k, v, sinks, out, lse, pattern, scale, cu_seqlens, descale)
         return out, lse
     plan = _forward_plan(q_in.shape, q_in.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, pattern,
                          scale, cu_seqlens[0].shape[0] - 1 if varlen else None,

@@ -15,6 +15,11 @@ other kernel calls (:func:`gstar.kernels.ranges.kv_range`, :func:`gstar.kernels.
 :func:`supported` says which calls take this kernel: on sm_90 the
 dispatcher (:func:`gstar.kernels.attention.attention_forward`) prefers it where ``HEAD_DIMS`` says it was
 measured faster than the portable kernel (benchmarks/NOTES.md, 'Warp-specialised forward on Hopper').
+
+FP8 inputs (float8_e4m3fn q, k, v with descales, :mod:`gstar.fp8`) take the same schedule with ``Q K^T`` on
+the FP8 tensor cores (half the instructions of a 16-bit product) and ``P V`` in bfloat16 against V widened
+once before the launch: P rounded to FP8's 3 mantissa bits misses the accuracy bar (docs/design.md section 4)
+on causal rows with few keys, which bfloat16's 8 bits keep. ``FP8_HEAD_DIMS`` lists where it was measured.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from ..pattern import Pattern, cdiv
 from . import configs, descriptors
 from .forward import finish_state, softmax_step, tiles_fastest
 from .ranges import kv_range, sequence_bounds
+from .widen import widen
 
 LOG2E = gl.constexpr(math.log2(math.e))
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup: wgmma's M
@@ -44,6 +50,11 @@ STAGES = gl.constexpr(2)  # K and V slots each: 2 x 2 x 32 KB at D = 128, beside
 # Hopper'); at D = 64 the two are level: the portable kernel's two resident programs per SM hide its softmax too
 HEAD_DIMS = (128,)
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+FP8 = torch.float8_e4m3fn
+# head dims where the FP8 path (Q K^T on FP8 tensor cores, P V in bfloat16) beat the portable kernel's FP8
+# forward (NOTES, 'FP8 forward on the Hopper kernel')
+FP8_HEAD_DIMS = (64, 128)
+_GL_ALL = {**_GL_DTYPES, FP8: gl.float8e4nv, torch.float32: gl.float32}  # every tile's element type
 # Triton releases on which this kernel ran the GPU tests and the timings (Gluon changes from release to
 # release: on others it compiles, but the dispatcher keeps the portable kernel until it is verified there)
 VERIFIED = triton.__version__.startswith("3.6.")
@@ -61,6 +72,14 @@ def _block_range(row0, Nq, Nk, left, right, sink_tokens, HAS_LEFT: gl.constexpr,
         row0, Nq, Nk, left, right, sink_tokens, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     return (sink_end, band_start, sink_end + full_start - band_start, sink_end + full_end - band_start,
             sink_end + band_end - band_start)
+
+
+@gluon.jit
+def _descales(Descale, h, group, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """The address of the program's three descales in Descale (B or num_seqs, Hkv, 3): the grid's last axis
+    is the batch row (or sequence), Hkv = Hq // group."""
+    kv_heads = gl.num_programs(1 if tiles_fastest(HAS_LEFT, HAS_RIGHT) else 0) // group
+    return Descale + (gl.program_id(2) * kv_heads + h // group) * 3
 
 
 @gluon.jit
@@ -92,7 +111,7 @@ def _producer(q_desc, k_desc, v_desc, shared, batch, h, h_kv, row0, q_start, k_s
     """One warp: Q once, then K and V of every step into slot ``step % STAGES`` of their rings.
     shared: the kernel's buffers and barriers; batch: the descriptors' first coordinate; q_start, k_start:
     the sequence's first row (0 unless packed); pattern: ``(Nq, Nk, left, right, sink_tokens)`` of it."""
-    q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty = shared
+    q_smem, k_smem, v_smem, o_smem, q_ready, k_ready, k_empty, v_ready, v_empty = shared
     Nq, Nk, left, right, sink_tokens = pattern
     mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
     _tma_load(q_desc, [batch, h, q_start + row0, 0], q_ready, q_smem.index(0))
@@ -156,17 +175,19 @@ def _steps(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, lo, hi, n_sink
 
 
 @gluon.jit
-def _consumer(o_desc, Out, Lse, Sinks, shared, batch, h, row0, q_start, half, pattern, qk_scale, stride_o,
-              stride_lse, HEAD_DIM: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+def _consumer(o_desc, Out, Lse, Sinks, shared, batch, h, row0, q_start, half, pattern, qk_scale, Descale,
+              group, stride_o, stride_lse, HEAD_DIM: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
               HAS_SINK_TOKENS: gl.constexpr):
     """One warpgroup: rows ``row0 + half * 64 ...`` of the tile, from Q in shared memory to the output and
-    the natural-log LSE. Dense (Out None): the output leaves through the warpgroup's Q slot and a TMA store,
-    which clips rows past Nq. Packed: masked stores to Out, since the rows past this sequence's end are the
-    next sequence's. shared, batch, q_start, pattern: as :func:`_producer` takes them."""
-    q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty = shared
+    the natural-log LSE. Dense (Out None): the output leaves through the warpgroup's Q slot (FP8: a slot of
+    its own) and a TMA store, which clips rows past Nq. Packed: masked stores to Out, since the rows past this
+    sequence's end are the next sequence's. shared, batch, q_start, pattern: as :func:`_producer` takes them;
+    Descale, group: as :func:`_forward_kernel` takes them (q's and k's descales are in qk_scale)."""
+    q_smem, k_smem, v_smem, o_smem, q_ready, k_ready, k_empty, v_ready, v_empty = shared
     Nq, Nk, left, right, sink_tokens = pattern
+    K_STEP: gl.constexpr = 256 // q_smem.dtype.primitive_bitwidth  # what one wgmma reduces: 32 bytes
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, K_STEP])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -207,12 +228,14 @@ def _consumer(o_desc, Out, Lse, Sinks, shared, batch, h, row0, q_start, half, pa
         mbarrier.arrive(v_empty.index((n - 1) % STAGES), count=1)
     acc_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     out, lse = finish_state(acc, gl.convert_layout(m_i, acc_rows), gl.convert_layout(l_i, acc_rows))
+    if Descale is not None:  # FP8: v's descale, read here rather than held in a register through the loop
+        out = out * gl.load(_descales(Descale, h, group, HAS_LEFT, HAS_RIGHT) + 2)
     rows = gl.convert_layout(rows, acc_rows)
     gl.store(Lse + batch * stride_lse[0] + h * stride_lse[1] + q_start + rows, lse, mask=rows < Nq)
     if Out is None:
-        q.store(out.to(o_desc.dtype))  # Q's slot is free: the output leaves through it
+        o_smem.index(half).reshape([ROWS, HEAD_DIM]).store(out.to(o_desc.dtype))
         fence_async_shared()
-        _tma_store(o_desc, [batch, h, q_start + row0 + half * ROWS, 0], q_smem.index(half))
+        _tma_store(o_desc, [batch, h, q_start + row0 + half * ROWS, 0], o_smem.index(half))
         tma.store_wait(0)
     else:
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # (D,)
@@ -223,9 +246,9 @@ def _consumer(o_desc, Out, Lse, Sinks, shared, batch, h, row0, q_start, half, pa
 # lengths and window bounds change from call to call and only enter loop bounds and masks (as in the
 # portable kernel): no recompilation for new lengths
 @gluon.jit(do_not_specialize=["Nq", "Nk", "left", "right", "sink_tokens"])
-def _forward_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sinks, CuQ, CuK, Nq, Nk, group, left, right,
-                    sink_tokens, qk_scale, stride_o, stride_lse, HEAD_DIM: gl.constexpr, HAS_LEFT: gl.constexpr,
-                    HAS_RIGHT: gl.constexpr, HAS_SINK_TOKENS: gl.constexpr):
+def _forward_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sinks, Descale, CuQ, CuK, Nq, Nk, group, left,
+                    right, sink_tokens, qk_scale, stride_o, stride_lse, HEAD_DIM: gl.constexpr,
+                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK_TOKENS: gl.constexpr):
     """Grid ``(Hq, n_tiles, B)``, its first two axes swapped where :func:`tiles_fastest`.
 
     Dense (CuQ, CuK, Out None): q_desc, o_desc: descriptors over (B, Hq, Nq, D) moving (1, 1, 64, D) tiles;
@@ -237,6 +260,10 @@ def _forward_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sinks, CuQ, CuK, N
     sequence (a shorter one's extra tiles exit at once); Nq, Nk unused. ``stride_lse``: Lse's (batch, head)
     strides. Sinks: None or (Hq,) float32; Hkv = Hq // group; qk_scale = scale * log2(e) > 0; the pattern
     scalars as in :func:`gstar.kernels.forward._forward_kernel`.
+
+    FP8 (q_desc, k_desc over float8_e4m3fn; v_desc over V widened to bfloat16, exactly): Descale (B or
+    num_seqs, Hkv, 3) float32 contiguous, per kv head the descales of q, k and v; q's and k's join qk_scale,
+    v's multiplies the output. Else None.
     """
     VARLEN: gl.constexpr = CuQ is not None
     HEAD_AXIS: gl.constexpr = 1 if tiles_fastest(HAS_LEFT, HAS_RIGHT) else 0
@@ -252,7 +279,14 @@ def _forward_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sinks, CuQ, CuK, N
         if row0 >= Nq:  # tiles past a shorter sequence
             return
 
+    if Descale is not None:  # FP8: q's and k's descales scale the scores
+        descales = _descales(Descale, h, group, HAS_LEFT, HAS_RIGHT)
+        qk_scale = qk_scale * gl.load(descales) * gl.load(descales + 1)
+
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    o_smem = q_smem  # the output leaves through Q's slots, or (FP8 queries) slots of its own
+    if q_desc.dtype != o_desc.dtype:
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -260,15 +294,15 @@ def _forward_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sinks, CuQ, CuK, N
     k_ready, k_empty = _ring_barriers(STAGES)
     v_ready, v_empty = _ring_barriers(STAGES)
 
-    shared = (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty)
+    shared = (q_smem, k_smem, v_smem, o_smem, q_ready, k_ready, k_empty, v_ready, v_empty)
     pattern = (Nq, Nk, left, right, sink_tokens)
     # the default partition (this program's 4 warps) and a second 4-warp partition consume; a 1-warp
     # partition produces. Registers per thread: 240 for consumers, 24 for the producer (launch's maxnreg)
     gl.warp_specialize([
-        (_consumer, (o_desc, Out, Lse, Sinks, shared, batch, h, row0, q_start, 0, pattern, qk_scale, stride_o,
-                     stride_lse, HEAD_DIM, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)),
-        (_consumer, (o_desc, Out, Lse, Sinks, shared, batch, h, row0, q_start, 1, pattern, qk_scale, stride_o,
-                     stride_lse, HEAD_DIM, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)),
+        (_consumer, (o_desc, Out, Lse, Sinks, shared, batch, h, row0, q_start, 0, pattern, qk_scale, Descale,
+                     group, stride_o, stride_lse, HEAD_DIM, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)),
+        (_consumer, (o_desc, Out, Lse, Sinks, shared, batch, h, row0, q_start, 1, pattern, qk_scale, Descale,
+                     group, stride_o, stride_lse, HEAD_DIM, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)),
         (_producer, (q_desc, k_desc, v_desc, shared, batch, h, h // group, row0, q_start, k_start, pattern,
                      HAS_LEFT, HAS_RIGHT)),
     ], [4, 1], [240, 24])
@@ -287,24 +321,29 @@ def _on_hopper(q: torch.Tensor) -> bool:
 
 
 def serves(dtype: torch.dtype, head_dim: int, value_dim: int, pattern: Pattern) -> bool:
-    """Whether the calls of this kind take this kernel on sm_90: full or causal 16-bit attention at a head dim
-    of ``HEAD_DIMS`` (D = Dv), at least one full Q tile (the longest sequence's, when packed)."""
-    return _full_or_causal(dtype, head_dim, value_dim, pattern, HEAD_DIMS) and pattern.nq >= BLOCK_M.value
+    """Whether the calls of this kind take this kernel on sm_90: full or causal attention, 16-bit at a head dim
+    of ``HEAD_DIMS`` or FP8 (q, k and v) at one of ``FP8_HEAD_DIMS`` (D = Dv), at least one full Q tile (the
+    longest sequence's, when packed)."""
+    if dtype == FP8:  # the kernel's 16-bit rule with FP8's table (its P V runs in bfloat16)
+        dtype, head_dims = torch.bfloat16, FP8_HEAD_DIMS
+    else:
+        head_dims = HEAD_DIMS
+    return _full_or_causal(dtype, head_dim, value_dim, pattern, head_dims) and pattern.nq >= BLOCK_M.value
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern) -> bool:
     """Whether this kernel serves this call (dense, or the heads-first views of packed sequences): a
     ``VERIFIED`` Triton, q on an sm_90 GPU, a call of the kind :func:`serves`, and operands a TMA descriptor
     can read."""
-    return (_on_hopper(q) and serves(q.dtype, q.shape[3], v.shape[3], pattern)
-            and descriptors.supported(q, k, v))
+    return (_on_hopper(q) and q.dtype == k.dtype == v.dtype
+            and serves(q.dtype, q.shape[3], v.shape[3], pattern) and descriptors.supported(q, k, v))
 
 
 @functools.lru_cache(maxsize=None)
 def _swizzle(rows: int, width: int, dtype: torch.dtype):
     """The shared-memory layout of a (1, 1, rows, width) tile that wgmma or a TMA copy reads (asked once per
-    shape; float32 for the backward's dQ tiles)."""
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, width], {**_GL_DTYPES, torch.float32: gl.float32}[dtype])
+    shape; FP8 for FP8 inputs, float32 for a float32 output and the backward's dQ tiles)."""
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, width], _GL_ALL[dtype])
 
 
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
@@ -313,12 +352,18 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
                             _swizzle(rows, t.shape[3], t.dtype))
 
 
-def forward(q, k, v, sinks, out, lse, pattern: Pattern, scale: float, cu_seqlens=None) -> None:
+def forward(q, k, v, sinks, out, lse, pattern: Pattern, scale: float, cu_seqlens=None, descale=None) -> None:
     """Fill ``out`` and ``lse`` for a call :func:`supported` accepts. Dense: q, out: (B, Hq, Nq, D), k, v:
     (B, Hkv, Nk, D), lse: (B, Hq, Nq) float32. Packed (``cu_seqlens = (cu_q, cu_k)``, (B + 1,) int32): the
     heads-first views q, out: (1, Hq, total_q, D), k, v: (1, Hkv, total_k, D), lse: (1, Hq, total_q), and
-    ``pattern`` carries the longest lengths. sinks: None or (Hq,) float32; scale > 0."""
+    ``pattern`` carries the longest lengths. sinks: None or (Hq,) float32; scale > 0. FP8 (q, k, v
+    float8_e4m3fn): ``descale`` (B or num_seqs, Hkv, 3) as :func:`_forward_kernel` takes it, ``out`` 16 or 32
+    bits."""
     B, Hq, _, D = q.shape
+    if descale is not None:
+        # P V runs in bfloat16 (P in FP8 misses the bar, docs/design.md section 4): V is widened once, exactly
+        # (every e4m3 value is a bfloat16 value), in one pass that costs a few percent of the forward (NOTES)
+        v = widen(v, torch.bfloat16)
     cu_q, cu_k = cu_seqlens or (None, None)
     seqs = B if cu_q is None else cu_q.shape[0] - 1
     tiles = cdiv(pattern.nq, BLOCK_M.value)
@@ -326,7 +371,7 @@ def forward(q, k, v, sinks, out, lse, pattern: Pattern, scale: float, cu_seqlens
     grid = (tiles, Hq, seqs) if tiles_fastest(has_left, has_right) else (Hq, tiles, seqs)
     _forward_kernel[grid](
         _descriptor(q, ROWS.value), _descriptor(k, BLOCK_N.value), _descriptor(v, BLOCK_N.value),
-        _descriptor(out, ROWS.value), None if cu_q is None else out, lse, sinks, cu_q, cu_k, q.shape[2],
+        _descriptor(out, ROWS.value), None if cu_q is None else out, lse, sinks, descale, cu_q, cu_k, q.shape[2],
         k.shape[2], Hq // k.shape[1], max(pattern.left, 0), max(pattern.right, 0), pattern.sink_tokens,
         scale * LOG2E.value, (out.stride(1), out.stride(2)), (lse.stride(0), lse.stride(1)), HEAD_DIM=D,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, HAS_SINK_TOKENS=pattern.sink_tokens > 0, num_warps=4,
