@@ -3,6 +3,7 @@ oracle on the dequantised inputs, every other implementation n/a, forward only."
 
 import json
 
+import pytest
 import torch
 
 from gstar.bench import cases, measure
@@ -51,3 +52,16 @@ def test_fp8_suite_runs(monkeypatch, tmp_path, capsys):
     assert main(["bench", "--seqlen", "40", "--heads", "2", "--dtype", "fp8", "--mode", "fwd+bwd", "--impls",
                  "gstar", "--json", str(path)]) == 0
     assert json.loads(path.read_text())["rows"][0]["reason"] == "FP8 inputs are forward only"
+
+
+def test_fp8_compute_floor_counts_the_fp8_rate():
+    """An FP8 row's compute floor is the bfloat16 row's at twice the rate (FP8 tensor cores); memory floors
+    follow the bytes (half for q, k, v)."""
+    from gstar.cli.bench import _add_floors
+    card = {"matmul_tflops": 500.0, "memory_gbps": 3000.0}
+    rows = {}
+    for dtype in ("bfloat16", "fp8"):
+        rows[dtype] = {"time_ms": 1.0}
+        _add_floors(rows[dtype], Case("fp8", 4, 16, 16, 8192, 128, causal=True, dtype=dtype), "fwd", card)
+    assert rows["fp8"]["compute_floor_ms"] == pytest.approx(rows["bfloat16"]["compute_floor_ms"] / 2)
+    assert rows["fp8"]["memory_floor_ms"] < rows["bfloat16"]["memory_floor_ms"]

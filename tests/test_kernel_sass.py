@@ -43,11 +43,13 @@ def test_gpt_oss_kernels_compile_without_spills(case, flags, kernels):
     assert loops and all(int(re.search(r"(\d+) HGMMA", l).group(1)) > 0 for l in loops), loops
 
 
-@pytest.mark.parametrize("case,flags", [("D128 causal", []), ("D128 full", ["--varlen"])])
+@pytest.mark.parametrize("case,flags", [("D128 causal", []), ("D128 full", ["--varlen"]), ("D128 causal", ["--fp8"]),
+                                        ("D64 causal", ["--fp8", "--varlen"])])
 def test_hopper_forward_is_warp_specialised(case, flags):
     """gstar.kernels.hopper (Gluon) compiles for sm_90a: 12 warps (two consumer warpgroups and the producer's),
-    every attention loop on the tensor cores, and no spills on the Triton release it is verified on (another
-    release's compiler may allocate differently; gstar does not dispatch to the kernel there)."""
+    every attention loop on the tensor cores (FP8 inputs: Q K^T on the FP8 ones), and no spills on the Triton
+    release it is verified on (another release's compiler may allocate differently; gstar does not dispatch to
+    the kernel there)."""
     result = _run("--case", case, "--hopper", *flags)
     assert result.returncode == 0, result.stderr[-2000:]
     line = next(l for l in result.stdout.splitlines() if l.startswith("_forward_kernel:"))
@@ -57,6 +59,8 @@ def test_hopper_forward_is_warp_specialised(case, flags):
     loops = [l for l in result.stdout.splitlines()
              if "loop of" in l and int(re.search(r"(\d+) MUFU", l).group(1)) > 2]  # not the epilogue
     assert loops and all(int(re.search(r"(\d+) HGMMA", l).group(1)) > 0 for l in loops), loops
+    if "--fp8" in flags:  # the main loops' Q K^T (the spans of the epilogue's last P V have none)
+        assert sum(bool(re.search(r"HGMMA \(\d+ of them FP8\)", l)) for l in loops) > len(loops) // 2, loops
 
 
 def test_hopper_backward_is_warp_specialised():

@@ -156,9 +156,12 @@ def _table(rows, mode, timing, console):
 
 def _add_floors(row: dict, case, mode: str, card: dict) -> None:
     """Memory and compute floors of the case on this card (its ``gstar roofline`` measurement) and the
-    percentage of the nearer (larger) floor that the row's time reaches (100 = at the roofline)."""
+    percentage of the nearer (larger) floor that the row's time reaches (100 = at the roofline). FP8 cases
+    count their products at twice the measured bfloat16 matmul rate, the FP8 tensor cores' rate on sm_89 and
+    sm_90."""
     from ..roofline import floors
-    f = floors(case.flops(mode), case.bytes_moved(mode), card, ms=row["time_ms"])
+    flops = case.flops(mode) / (2 if case.fp8 else 1)
+    f = floors(flops, case.bytes_moved(mode), card, ms=row["time_ms"])
     row.update(memory_floor_ms=f["memory_ms"], compute_floor_ms=f["compute_ms"], bound=f["bound"],
                floor_pct=f["pct_of_floor"])
 
