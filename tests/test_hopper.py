@@ -109,7 +109,8 @@ def test_gpu_packed_sequences(D, causal, with_sinks, fp8):
     pattern = Pattern.make(max(lengths_q), max(lengths_k), causal=causal)
     out = torch.full(view(q).shape, float("nan"), device="cuda", dtype=torch.bfloat16)
     lse = torch.full((1, 8, q.shape[0]), float("nan"), device="cuda")
-    hopper.forward(view(q), view(k), view(v), sinks, out, lse, pattern, D ** -0.5, (cu_q, cu_k), **fp8_args)
+    v_kernel = v.bfloat16() if fp8 else v  # FP8 calls hand the kernel V widened to bfloat16
+    hopper.forward(view(q), view(k), view(v_kernel), sinks, out, lse, pattern, D ** -0.5, (cu_q, cu_k), **fp8_args)
     portable = attention_forward(view(q), view(k), view(v), sinks, pattern, D ** -0.5, config={},
                                  cu_seqlens=(cu_q, cu_k), out_dtype=low, **fp8_args)
     q, k, v = map(view, values)
@@ -168,7 +169,7 @@ def test_gpu_fp8_both_kernels_within_bar(D, Nq, Nk, causal, with_sinks):
     pattern = Pattern.make(Nq, Nk, causal=causal)
     out = torch.full(qkv[0].shape, float("nan"), device="cuda", dtype=torch.bfloat16)
     lse = torch.full(out.shape[:3], float("nan"), device="cuda")
-    hopper.forward(*qkv, sinks, out, lse, pattern, D ** -0.5, descale=descale)
+    hopper.forward(*qkv[:2], qkv[2].bfloat16(), sinks, out, lse, pattern, D ** -0.5, descale=descale)
     _check(out, lse, *deq, sinks, pattern, low=torch.bfloat16)
     portable = attention_forward(*qkv, sinks, pattern, D ** -0.5, config={}, descale=descale,
                                  out_dtype=torch.bfloat16)

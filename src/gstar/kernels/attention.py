@@ -24,6 +24,7 @@ from .configs import BackwardConfig, backward_config, dot_precision, forward_con
 from .forward import _forward_kernel, tiles_fastest
 from .launch import constexprs, launch
 from .schedule import split_plan
+from .widen import widen
 
 LOG2E = math.log2(math.e)
 
@@ -91,7 +92,10 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
     largest power of two dividing the GQA group.
 
     FP8 (float8_e4m3fn q, k, v): ``descale`` (B or num_seqs, Hkv, 3) float32 contiguous, per kv head the
-    descales of q, k and v (positive); ``out_dtype`` the output's dtype (16 or 32 bits).
+    descales of q, k and v (positive); ``out_dtype`` the output's dtype (16 or 32 bits). ``P V`` runs in
+    bfloat16 (P in FP8 misses the accuracy bar, docs/design.md section 4), so V is widened first, exactly
+    (every e4m3 value is a bfloat16 value), in one streaming pass: faster than widening each block in the loop
+    (benchmarks/NOTES.md, 'FP8 forward on the Hopper kernel').
 
     out: (B, Hq, Nq, Dv) in q's dtype (or out_dtype), zero rows where no key is visible; dense: in q's memory layout,
     packed: a heads-first view of a contiguous (total_q, Hq, Dv) tensor.
@@ -106,6 +110,8 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
         # scale, or a zero scale, goes into a copy of q (in the kernel, a scaled Q tile would leave shared
         # memory for registers and cost every block of every call)
         q_in, scale = (-q, -scale) if scale < 0 else (q * 0.0, 1.0)
+    if descale is not None:
+        v = widen(v, torch.bfloat16)                                               # (B, Hkv, Nk, Dv)
     if config is None and hopper.supported(q_in, k, v, pattern):
         lse = buffers.empty(q.shape[:3], dtype=torch.float32, device=q.device)    # (B, Hq, Nq)
         hopper.forward(q_in, k, v, sinks, out, lse, pattern, scale, cu_seqlens, descale)

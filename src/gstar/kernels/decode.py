@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ..pattern import Pattern, cdiv, kv_blocks
 from .configs import capability_major, dot_precision, pad_head_dim
-from .forward import finish_state, load_descales, softmax_step, start_state, widen_fp8
+from .forward import finish_state, load_descales, softmax_step, start_state
 from .launch import constexprs, launch
 from .ranges import kv_range
 
@@ -115,7 +115,9 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, Descale,
         v = tl.load(_block_ptrs(V, BlockTable, b, hkv, start_n, offs_n, offs_dv, stride_v, stride_bt, page_size,
                                 PAGED),
                     mask=key_ok[:, None] & (offs_dv[None, :] < VALUE_DIM), other=0.0)  # (BLOCK_N, DV_PAD)
-        v = widen_fp8(v.to(q.dtype))  # an FP8 cache under 16-bit queries is widened to their dtype
+        v = v.to(q.dtype)  # an FP8 cache under 16-bit queries is widened to their dtype
+        if v.dtype == tl.float8e4nv:  # under FP8 queries to bfloat16: P in FP8 would miss the accuracy bar
+            v = v.to(tl.bfloat16)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
 
     if Descale is not None:  # v's descale: one multiply of the finished rows (a split's partial alike)
@@ -170,11 +172,14 @@ class _DecodePlan(NamedTuple):
     options: tuple
 
 
-def block_keys(paged: bool, block_size: int, width: int) -> int:
+def block_keys(paged: bool, block_size: int, width: int, fp8: bool) -> int:
     """Keys per tile: 64, fewer for wide heads (``width``: the padded D + Dv; a tile of keys and values stays
-    within 64 x 256 elements); for a paged cache a divisor of its block size."""
-    most = max(16, 64 * 256 // width)
-    return next(n for n in (64, 32, 16) if n <= most and (not paged or block_size % n == 0))
+    within 64 x 256 elements); an FP8 cache's tiles twice as many keys, the same bytes (8-10% faster at long
+    cache lengths, benchmarks/NOTES.md, 'FP8 forward on the Hopper kernel'); for a paged cache a divisor of
+    its block size."""
+    most = max(16, 64 * 256 // width) * (2 if fp8 else 1)
+    return next(n for n in (128, 64, 32, 16) if n <= min(most, 128 if fp8 else 64)
+                and (not paged or block_size % n == 0))
 
 
 def tile_rows(stacked: int, width: int) -> int:
@@ -197,11 +202,11 @@ def default_splits(programs: int, visible_blocks: int, device: torch.device) -> 
 @functools.lru_cache(maxsize=256)
 def _decode_plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: bool, block_size: int,
                  capacity: int, pattern: Pattern, device: torch.device, precision: str,
-                 num_splits: int | None) -> _DecodePlan:
+                 num_splits: int | None, fp8: bool) -> _DecodePlan:
     group = Hq // Hkv
     width = pad_head_dim(D) + pad_head_dim(Dv)
     block_r = tile_rows(group * nq, width)
-    block_n = block_keys(paged, block_size, width)
+    block_n = block_keys(paged, block_size, width, fp8)
     row_tiles = cdiv(group * nq, block_r)
     # the blocks a full cache's queries see (the sink-token blocks and the band); at a shorter length a window's
     # band may straddle one block more
@@ -233,7 +238,8 @@ def decode_forward(q, cache, cache_seqlens, added: int, sinks, pattern: Pattern,
     if scale <= 0:  # the kernel's softmax takes a positive factor (as the forward kernel's does)
         q_in, scale = (-q, -scale) if scale < 0 else (q * 0.0, 1.0)
     plan = _decode_plan(B, Hq, Hkv, nq, D, Dv, cache.paged, cache.block_size if cache.paged else 0,
-                        cache.capacity, pattern, q.device, dot_precision(q.dtype), num_splits)
+                        cache.capacity, pattern, q.device, dot_precision(q.dtype), num_splits,
+                        k.dtype == torch.float8_e4m3fn)
     out = q.new_empty((B, Hq, nq, Dv), dtype=out_dtype)
     lse = torch.empty((B, Hq, nq), dtype=torch.float32, device=q.device)
     table = cache.block_table

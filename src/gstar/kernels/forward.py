@@ -119,7 +119,6 @@ def _attend_blocks(acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2,
             v = tl.load(v_block)
         else:
             v = tl.load(v_block, mask=dv_ok[None, :], other=0.0)
-        v = widen_fp8(v)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         if HALVES:
             p2, alpha2, m2, l2 = softmax_step(s2, m2, l2, rows2, cols, qk_scale, Nq, Nk, left, right,
@@ -128,15 +127,6 @@ def _attend_blocks(acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2,
             acc2 = acc2 * alpha2[:, None]
             acc2 = tl.dot(p2.to(v.dtype), v, acc2, input_precision=PRECISION)
     return acc, m_i, l_i, acc2, m2, l2
-
-
-@triton.jit
-def widen_fp8(v):
-    """FP8 values as bfloat16 for ``P @ V``: P keeps bfloat16's 8 bits of mantissa (FP8's 3 would miss the
-    accuracy bar), so V is widened in registers after its FP8 load; other dtypes pass unchanged."""
-    if v.dtype == tl.float8e4nv:
-        v = v.to(tl.bfloat16)
-    return v
 
 
 @triton.jit
@@ -228,8 +218,9 @@ def _forward_kernel(
     unit row stride. Hkv = Hq // group. Sinks: None or (Hq,) float32 learned sink logits.
     qk_scale = scale * log2(e) > 0. HAS_LEFT, HAS_RIGHT: whether ``left`` / ``right`` bound the
     window; HAS_SINK_TOKENS: whether ``sink_tokens`` > 0 (under a left bound).
-    FP8 inputs (float8_e4m3fn): Descale (B, Hkv, 3) float32 with batch stride ``stride_ds``
-    (:func:`load_descales`), Out bfloat16, float16 or float32; else Descale is None.
+    FP8 inputs (float8_e4m3fn Q and K; V widened to bfloat16 before the launch, so that ``P V`` runs in
+    bfloat16): Descale (B, Hkv, 3) float32 with batch stride ``stride_ds`` (:func:`load_descales`), Out
+    bfloat16, float16 or float32; else Descale is None.
     PACK: query heads of one GQA group (PACK divides group) stacked in one tile of BLOCK_M rows, PACK
     heads times BLOCK_M // PACK positions: each K/V block is loaded once for all of them.
     FLAT: walk the window band in one loop with every block masked, instead of masked / unmasked / masked.

@@ -39,7 +39,6 @@ from ..pattern import Pattern, cdiv
 from . import configs, descriptors
 from .forward import finish_state, softmax_step, tiles_fastest
 from .ranges import kv_range, sequence_bounds
-from .widen import widen
 
 LOG2E = gl.constexpr(math.log2(math.e))
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup: wgmma's M
@@ -52,8 +51,8 @@ HEAD_DIMS = (128,)
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 FP8 = torch.float8_e4m3fn
 # head dims where the FP8 path (Q K^T on FP8 tensor cores, P V in bfloat16) beat the portable kernel's FP8
-# forward (NOTES, 'FP8 forward on the Hopper kernel')
-FP8_HEAD_DIMS = (64, 128)
+# forward (NOTES, 'FP8 forward on the Hopper kernel'); at D = 64 the portable one is 0-12% faster
+FP8_HEAD_DIMS = (128,)
 _GL_ALL = {**_GL_DTYPES, FP8: gl.float8e4nv, torch.float32: gl.float32}  # every tile's element type
 # Triton releases on which this kernel ran the GPU tests and the timings (Gluon changes from release to
 # release: on others it compiles, but the dispatcher keeps the portable kernel until it is verified there)
@@ -333,9 +332,9 @@ def serves(dtype: torch.dtype, head_dim: int, value_dim: int, pattern: Pattern) 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern) -> bool:
     """Whether this kernel serves this call (dense, or the heads-first views of packed sequences): a
-    ``VERIFIED`` Triton, q on an sm_90 GPU, a call of the kind :func:`serves`, and operands a TMA descriptor
-    can read."""
-    return (_on_hopper(q) and q.dtype == k.dtype == v.dtype
+    ``VERIFIED`` Triton, q on an sm_90 GPU, a call of the kind :func:`serves` (FP8: q and k, V widened to
+    bfloat16), and operands a TMA descriptor can read."""
+    return (_on_hopper(q) and q.dtype == k.dtype and v.dtype == (torch.bfloat16 if q.dtype == FP8 else q.dtype)
             and serves(q.dtype, q.shape[3], v.shape[3], pattern) and descriptors.supported(q, k, v))
 
 
@@ -356,14 +355,10 @@ def forward(q, k, v, sinks, out, lse, pattern: Pattern, scale: float, cu_seqlens
     """Fill ``out`` and ``lse`` for a call :func:`supported` accepts. Dense: q, out: (B, Hq, Nq, D), k, v:
     (B, Hkv, Nk, D), lse: (B, Hq, Nq) float32. Packed (``cu_seqlens = (cu_q, cu_k)``, (B + 1,) int32): the
     heads-first views q, out: (1, Hq, total_q, D), k, v: (1, Hkv, total_k, D), lse: (1, Hq, total_q), and
-    ``pattern`` carries the longest lengths. sinks: None or (Hq,) float32; scale > 0. FP8 (q, k, v
-    float8_e4m3fn): ``descale`` (B or num_seqs, Hkv, 3) as :func:`_forward_kernel` takes it, ``out`` 16 or 32
-    bits."""
+    ``pattern`` carries the longest lengths. sinks: None or (Hq,) float32; scale > 0. FP8 (q, k
+    float8_e4m3fn, v widened to bfloat16 as :func:`gstar.kernels.attention.attention_forward` does):
+    ``descale`` (B or num_seqs, Hkv, 3) as :func:`_forward_kernel` takes it, ``out`` 16 or 32 bits."""
     B, Hq, _, D = q.shape
-    if descale is not None:
-        # P V runs in bfloat16 (P in FP8 misses the bar, docs/design.md section 4): V is widened once, exactly
-        # (every e4m3 value is a bfloat16 value), in one pass that costs a few percent of the forward (NOTES)
-        v = widen(v, torch.bfloat16)
     cu_q, cu_k = cu_seqlens or (None, None)
     seqs = B if cu_q is None else cu_q.shape[0] - 1
     tiles = cdiv(pattern.nq, BLOCK_M.value)
