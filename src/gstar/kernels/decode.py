@@ -172,14 +172,11 @@ class _DecodePlan(NamedTuple):
     options: tuple
 
 
-def block_keys(paged: bool, block_size: int, width: int, fp8: bool) -> int:
+def block_keys(paged: bool, block_size: int, width: int) -> int:
     """Keys per tile: 64, fewer for wide heads (``width``: the padded D + Dv; a tile of keys and values stays
-    within 64 x 256 elements); an FP8 cache's tiles twice as many keys, the same bytes (8-10% faster at long
-    cache lengths, benchmarks/NOTES.md, 'FP8 forward on the Hopper kernel'); for a paged cache a divisor of
-    its block size."""
-    most = max(16, 64 * 256 // width) * (2 if fp8 else 1)
-    return next(n for n in (128, 64, 32, 16) if n <= min(most, 128 if fp8 else 64)
-                and (not paged or block_size % n == 0))
+    within 64 x 256 elements); for a paged cache a divisor of its block size."""
+    most = max(16, 64 * 256 // width)
+    return next(n for n in (64, 32, 16) if n <= most and (not paged or block_size % n == 0))
 
 
 def tile_rows(stacked: int, width: int) -> int:
@@ -202,11 +199,11 @@ def default_splits(programs: int, visible_blocks: int, device: torch.device) -> 
 @functools.lru_cache(maxsize=256)
 def _decode_plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: bool, block_size: int,
                  capacity: int, pattern: Pattern, device: torch.device, precision: str,
-                 num_splits: int | None, fp8: bool) -> _DecodePlan:
+                 num_splits: int | None) -> _DecodePlan:
     group = Hq // Hkv
     width = pad_head_dim(D) + pad_head_dim(Dv)
     block_r = tile_rows(group * nq, width)
-    block_n = block_keys(paged, block_size, width, fp8)
+    block_n = block_keys(paged, block_size, width)
     row_tiles = cdiv(group * nq, block_r)
     # the blocks a full cache's queries see (the sink-token blocks and the band); at a shorter length a window's
     # band may straddle one block more
@@ -238,8 +235,7 @@ def decode_forward(q, cache, cache_seqlens, added: int, sinks, pattern: Pattern,
     if scale <= 0:  # the kernel's softmax takes a positive factor (as the forward kernel's does)
         q_in, scale = (-q, -scale) if scale < 0 else (q * 0.0, 1.0)
     plan = _decode_plan(B, Hq, Hkv, nq, D, Dv, cache.paged, cache.block_size if cache.paged else 0,
-                        cache.capacity, pattern, q.device, dot_precision(q.dtype), num_splits,
-                        k.dtype == torch.float8_e4m3fn)
+                        cache.capacity, pattern, q.device, dot_precision(q.dtype), num_splits)
     out = q.new_empty((B, Hq, nq, Dv), dtype=out_dtype)
     lse = torch.empty((B, Hq, nq), dtype=torch.float32, device=q.device)
     table = cache.block_table
