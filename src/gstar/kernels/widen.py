@@ -1,5 +1,5 @@
-"""Widening a tensor into a wider float dtype in one streaming pass: the FP8 path of the Hopper forward runs
-``P V`` in bfloat16 and widens V first (:func:`gstar.kernels.hopper.forward`).
+"""Widening a tensor into a wider float dtype in one streaming pass: FP8 forwards run ``P V`` in bfloat16
+and widen V first (:func:`gstar.kernels.attention.attention_forward`).
 
 PyTorch's own conversion of float8_e4m3fn moves about 1 TB/s on an H200, a tenth of the forward's time at
 D 128; this kernel streams at the card's copy rate (benchmarks/NOTES.md, 'FP8 forward on the Hopper kernel').
