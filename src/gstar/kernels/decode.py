@@ -32,7 +32,7 @@ from .ranges import kv_range
 _ALL_ROWS = tl.constexpr(2**30)  # kv_range's tile height: the union of every query row's keys
 MAX_TILE_ROWS = 128  # stacked rows (group x queries) a program holds; more take further row tiles
 MAX_SPLITS = 64
-SPLIT_TILES = 32  # tiles of keys one split walks at most (while MAX_SPLITS allows)
+SPLIT_KEYS = 2048  # keys one split walks at most (while MAX_SPLITS allows): 32 tiles of 64
 
 
 @triton.jit
@@ -172,11 +172,13 @@ class _DecodePlan(NamedTuple):
     options: tuple
 
 
-def block_keys(paged: bool, block_size: int, width: int) -> int:
+def block_keys(paged: bool, block_size: int, width: int, fp8: bool) -> int:
     """Keys per tile: 64, fewer for wide heads (``width``: the padded D + Dv; a tile of keys and values stays
-    within 64 x 256 elements); for a paged cache a divisor of its block size."""
-    most = max(16, 64 * 256 // width)
-    return next(n for n in (64, 32, 16) if n <= most and (not paged or block_size % n == 0))
+    within 64 x 256 elements), twice as many from an FP8 cache (the same bytes; 6-9% faster at long caches,
+    benchmarks/NOTES.md, 'FP8 decode tiles'); for a paged cache a divisor of its block size."""
+    most = max(16, 64 * 256 // width) * (2 if fp8 else 1)
+    return next(n for n in (128, 64, 32, 16) if n <= min(most, 128 if fp8 else 64)
+                and (not paged or block_size % n == 0))
 
 
 def tile_rows(stacked: int, width: int) -> int:
@@ -186,30 +188,30 @@ def tile_rows(stacked: int, width: int) -> int:
     return min(most, max(16, triton.next_power_of_2(stacked)))
 
 
-def default_splits(programs: int, visible_blocks: int, device: torch.device) -> int:
-    """Splits per (sequence, kv head): at most ``SPLIT_TILES`` tiles of keys a split, and enough programs for
-    two per SM where every split still gets four tiles. It sees the shapes and the card, never the lengths:
-    a ragged batch is split by its capacity, which keeps its longest sequences from setting the time
-    (benchmarks/NOTES.md, 'Decoding: splits and pipeline depth')."""
+def default_splits(programs: int, visible_blocks: int, block_n: int, device: torch.device) -> int:
+    """Splits per (sequence, kv head): at most ``SPLIT_KEYS`` keys a split (of ``visible_blocks`` tiles of
+    ``block_n``), and enough programs for two per SM where every split still gets four tiles. It sees the
+    shapes and the card, never the lengths: a ragged batch is split by its capacity, which keeps its longest
+    sequences from setting the time (benchmarks/NOTES.md, 'Decoding: splits and pipeline depth')."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     fill = min(cdiv(2 * sms, programs), cdiv(visible_blocks, 4))
-    return max(1, min(max(fill, cdiv(visible_blocks, SPLIT_TILES)), MAX_SPLITS))
+    return max(1, min(max(fill, cdiv(visible_blocks * block_n, SPLIT_KEYS)), MAX_SPLITS))
 
 
 @functools.lru_cache(maxsize=256)
 def _decode_plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: bool, block_size: int,
                  capacity: int, pattern: Pattern, device: torch.device, precision: str,
-                 num_splits: int | None) -> _DecodePlan:
+                 num_splits: int | None, fp8: bool) -> _DecodePlan:
     group = Hq // Hkv
     width = pad_head_dim(D) + pad_head_dim(Dv)
     block_r = tile_rows(group * nq, width)
-    block_n = block_keys(paged, block_size, width)
+    block_n = block_keys(paged, block_size, width, fp8)
     row_tiles = cdiv(group * nq, block_r)
     # the blocks a full cache's queries see (the sink-token blocks and the band); at a shorter length a window's
     # band may straddle one block more
     sink_end, band_start, _, _, band_end = kv_blocks(pattern, 0, nq, block_n)
     visible_blocks = sink_end + band_end - band_start + (pattern.left >= 0)
-    splits = num_splits or default_splits(B * Hkv * row_tiles, visible_blocks, device)
+    splits = num_splits or default_splits(B * Hkv * row_tiles, visible_blocks, block_n, device)
     stages = 3 if device.type == "cuda" and capability_major(device) >= 9 else 2  # Hopper: three tiles in flight
     return _DecodePlan(
         (splits, Hkv * row_tiles, B), splits,
@@ -235,7 +237,8 @@ def decode_forward(q, cache, cache_seqlens, added: int, sinks, pattern: Pattern,
     if scale <= 0:  # the kernel's softmax takes a positive factor (as the forward kernel's does)
         q_in, scale = (-q, -scale) if scale < 0 else (q * 0.0, 1.0)
     plan = _decode_plan(B, Hq, Hkv, nq, D, Dv, cache.paged, cache.block_size if cache.paged else 0,
-                        cache.capacity, pattern, q.device, dot_precision(q.dtype), num_splits)
+                        cache.capacity, pattern, q.device, dot_precision(q.dtype), num_splits,
+                        k.dtype == torch.float8_e4m3fn)
     out = q.new_empty((B, Hq, nq, Dv), dtype=out_dtype)
     lse = torch.empty((B, Hq, nq), dtype=torch.float32, device=q.device)
     table = cache.block_table
