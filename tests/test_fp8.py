@@ -4,7 +4,8 @@ The bar (docs/design.md section 4, for FP8): gstar's error at most 2x that of Py
 attention from the FP8-rounded inputs in bfloat16 arithmetic. On CPU the PyTorch path (dequantised inputs) runs
 dense, packed and from a KV cache, with its descales expanded here independently of gstar's helpers; on GPUs
 (GPU tier) the Triton kernels run the grid of patterns, dense and packed, odd lengths, and the decode kernel
-an FP8 cache under FP8 and bfloat16 queries. Also quantize_fp8 and the errors for bad input.
+an FP8 cache under FP8 and bfloat16 queries, contiguous and paged. Also quantize_fp8 and the errors for bad
+input.
 """
 
 import pytest
@@ -123,11 +124,13 @@ def _check_packed(lengths, *, heads, dim, pattern, sinks, device, seed):
         assert check.ok, check
 
 
+@pytest.mark.parametrize("bs", [16, 128])
 @pytest.mark.parametrize("q_fp8", [True, False], ids=["fp8-queries", "bf16-queries"])
-def test_torch_path_kvcache(q_fp8):
-    """An FP8 paged cache, appending FP8 keys quantised with the cache's descales."""
+def test_paged_kvcache(q_fp8, bs, device):
+    """An FP8 paged cache (pages of 16 keys, or 128: the decode kernel's whole FP8 tile on a GPU), appending
+    FP8 keys quantised with the cache's descales; on CPU the PyTorch path."""
     g = torch.Generator().manual_seed(2)
-    B, Hq, Hkv, D, bs, blocks = 2, 4, 2, 32, 16, 4
+    B, Hq, Hkv, D, blocks = 2, 4, 2, 32, max(1, 64 // bs)  # pages for 64 keys, 42 used
     lengths = torch.tensor([20, 41], dtype=torch.int32)
     keys = torch.randn(B, Hkv, 42, D, generator=g) * 2
     values = torch.randn(B, Hkv, 42, D, generator=g)
@@ -150,9 +153,11 @@ def test_torch_path_kvcache(q_fp8):
         q, qd = gstar.quantize_fp8(q, kv_heads=Hkv)
     else:
         q = q.bfloat16()
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731 - the call's tensors on the device
     with torch.no_grad():
-        out = gstar.flash_attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lengths,
-                                                 block_table=table, q_descale=qd, k_descale=kd, v_descale=vd)
+        out = gstar.flash_attention_with_kvcache(to(q), to(k_cache), to(v_cache), k=to(k_new), v=to(v_new),
+                                                 cache_seqlens=to(lengths), block_table=to(table), q_descale=to(qd),
+                                                 k_descale=to(kd), v_descale=to(vd))
     assert out.dtype == torch.bfloat16
     for b in range(B):
         n = int(lengths[b]) + 1
