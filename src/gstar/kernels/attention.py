@@ -95,7 +95,7 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
     descales of q, k and v (positive); ``out_dtype`` the output's dtype (16 or 32 bits). ``P V`` runs in
     bfloat16 (P in FP8 misses the accuracy bar, docs/design.md section 4), so V is widened first, exactly
     (every e4m3 value is a bfloat16 value), in one streaming pass: faster than widening each block in the loop
-    (benchmarks/NOTES.md, 'FP8 forward on the Hopper kernel').
+    (benchmarks/NOTES.md, 'FP8: V widened before both forward kernels').
 
     out: (B, Hq, Nq, Dv) in q's dtype (or out_dtype), zero rows where no key is visible; dense: in q's memory layout,
     packed: a heads-first view of a contiguous (total_q, Hq, Dv) tensor.

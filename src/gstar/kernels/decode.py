@@ -174,7 +174,7 @@ class _DecodePlan(NamedTuple):
 
 def block_keys(paged: bool, block_size: int, width: int, fp8: bool) -> int:
     """Keys per tile: 64, fewer for wide heads (``width``: the padded D + Dv; a tile of keys and values stays
-    within 64 x 256 elements), twice as many from an FP8 cache (the same bytes; 6-9% faster at long caches,
+    within 64 x 256 elements), twice as many from an FP8 cache (the same bytes; 5-9% faster at long caches,
     benchmarks/NOTES.md, 'FP8 decode tiles'); for a paged cache a divisor of its block size."""
     most = max(16, 64 * 256 // width) * (2 if fp8 else 1)
     return next(n for n in (128, 64, 32, 16) if n <= min(most, 128 if fp8 else 64)

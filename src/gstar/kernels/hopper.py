@@ -19,7 +19,8 @@ measured faster than the portable kernel (benchmarks/NOTES.md, 'Warp-specialised
 FP8 inputs (float8_e4m3fn q, k, v with descales, :mod:`gstar.fp8`) take the same schedule with ``Q K^T`` on
 the FP8 tensor cores (half the instructions of a 16-bit product) and ``P V`` in bfloat16 against V widened
 once before the launch: P rounded to FP8's 3 mantissa bits misses the accuracy bar (docs/design.md section 4)
-on causal rows with few keys, which bfloat16's 8 bits keep. ``FP8_HEAD_DIMS`` lists where it was measured.
+on causal rows with few keys, which bfloat16's 8 bits keep. ``FP8_HEAD_DIMS`` lists the head dims where it
+beat the portable kernel's FP8 path.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..fp8 import FP8
 from ..pattern import Pattern, cdiv
 from . import configs, descriptors
 from .forward import finish_state, softmax_step, tiles_fastest
@@ -49,7 +51,6 @@ STAGES = gl.constexpr(2)  # K and V slots each: 2 x 2 x 32 KB at D = 128, beside
 # Hopper'); at D = 64 the two are level: the portable kernel's two resident programs per SM hide its softmax too
 HEAD_DIMS = (128,)
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-FP8 = torch.float8_e4m3fn
 # head dims where the FP8 path (Q K^T on FP8 tensor cores, P V in bfloat16) beat the portable kernel's FP8
 # forward (NOTES, 'FP8 forward on the Hopper kernel'); at D = 64 the portable one is 0-12% faster
 FP8_HEAD_DIMS = (128,)
