@@ -39,7 +39,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..fp8 import FP8
 from ..pattern import Pattern, cdiv
 from . import configs, descriptors
-from .forward import finish_state, softmax_step, tiles_fastest
+from .forward import finish_state, load_descales, softmax_step, tiles_fastest
 from .ranges import kv_range, sequence_bounds
 
 LOG2E = gl.constexpr(math.log2(math.e))
@@ -72,14 +72,6 @@ def _block_range(row0, Nq, Nk, left, right, sink_tokens, HAS_LEFT: gl.constexpr,
         row0, Nq, Nk, left, right, sink_tokens, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     return (sink_end, band_start, sink_end + full_start - band_start, sink_end + full_end - band_start,
             sink_end + band_end - band_start)
-
-
-@gluon.jit
-def _descales(Descale, h, group, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """The address of the program's three descales in Descale (B or num_seqs, Hkv, 3): the grid's last axis
-    is the batch row (or sequence), Hkv = Hq // group."""
-    kv_heads = gl.num_programs(1 if tiles_fastest(HAS_LEFT, HAS_RIGHT) else 0) // group
-    return Descale + (gl.program_id(2) * kv_heads + h // group) * 3
 
 
 @gluon.jit
@@ -176,13 +168,14 @@ def _steps(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, lo, hi, n_sink
 
 @gluon.jit
 def _consumer(o_desc, Out, Lse, Sinks, shared, batch, h, row0, q_start, half, pattern, qk_scale, Descale,
-              group, stride_o, stride_lse, HEAD_DIM: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+              h_kv, stride_ds, stride_o, stride_lse, HEAD_DIM: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
               HAS_SINK_TOKENS: gl.constexpr):
     """One warpgroup: rows ``row0 + half * 64 ...`` of the tile, from Q in shared memory to the output and
     the natural-log LSE. Dense (Out None): the output leaves through the warpgroup's Q slot (FP8: a slot of
     its own) and a TMA store, which clips rows past Nq. Packed: masked stores to Out, since the rows past this
     sequence's end are the next sequence's. shared, batch, q_start, pattern: as :func:`_producer` takes them;
-    Descale, group: as :func:`_forward_kernel` takes them (q's and k's descales are in qk_scale)."""
+    Descale, stride_ds: as :func:`_forward_kernel` takes them, h_kv the kv head (q's and k's descales are in
+    qk_scale)."""
     q_smem, k_smem, v_smem, o_smem, q_ready, k_ready, k_empty, v_ready, v_empty = shared
     Nq, Nk, left, right, sink_tokens = pattern
     K_STEP: gl.constexpr = 256 // q_smem.dtype.primitive_bitwidth  # what one wgmma reduces: 32 bytes
@@ -229,7 +222,8 @@ def _consumer(o_desc, Out, Lse, Sinks, shared, batch, h, row0, q_start, half, pa
     acc_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     out, lse = finish_state(acc, gl.convert_layout(m_i, acc_rows), gl.convert_layout(l_i, acc_rows))
     if Descale is not None:  # FP8: v's descale, read here rather than held in a register through the loop
-        out = out * gl.load(_descales(Descale, h, group, HAS_LEFT, HAS_RIGHT) + 2)
+        _, v_descale = load_descales(Descale, gl.program_id(2), h_kv, stride_ds, qk_scale)
+        out = out * v_descale
     rows = gl.convert_layout(rows, acc_rows)
     gl.store(Lse + batch * stride_lse[0] + h * stride_lse[1] + q_start + rows, lse, mask=rows < Nq)
     if Out is None:
@@ -247,7 +241,7 @@ def _consumer(o_desc, Out, Lse, Sinks, shared, batch, h, row0, q_start, half, pa
 # portable kernel): no recompilation for new lengths
 @gluon.jit(do_not_specialize=["Nq", "Nk", "left", "right", "sink_tokens"])
 def _forward_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sinks, Descale, CuQ, CuK, Nq, Nk, group, left,
-                    right, sink_tokens, qk_scale, stride_o, stride_lse, HEAD_DIM: gl.constexpr,
+                    right, sink_tokens, qk_scale, stride_ds, stride_o, stride_lse, HEAD_DIM: gl.constexpr,
                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK_TOKENS: gl.constexpr):
     """Grid ``(Hq, n_tiles, B)``, its first two axes swapped where :func:`tiles_fastest`.
 
@@ -262,8 +256,9 @@ def _forward_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sinks, Descale, Cu
     scalars as in :func:`gstar.kernels.forward._forward_kernel`.
 
     FP8 (q_desc, k_desc over float8_e4m3fn; v_desc over V widened to bfloat16, exactly): Descale (B or
-    num_seqs, Hkv, 3) float32 contiguous, per kv head the descales of q, k and v; q's and k's join qk_scale,
-    v's multiplies the output. Else None.
+    num_seqs, Hkv, 3) float32 with batch stride ``stride_ds``, per kv head the descales of q, k and v
+    (:func:`gstar.kernels.forward.load_descales`); q's and k's join qk_scale, v's multiplies the output. Else
+    None.
     """
     VARLEN: gl.constexpr = CuQ is not None
     HEAD_AXIS: gl.constexpr = 1 if tiles_fastest(HAS_LEFT, HAS_RIGHT) else 0
@@ -279,9 +274,7 @@ def _forward_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sinks, Descale, Cu
         if row0 >= Nq:  # tiles past a shorter sequence
             return
 
-    if Descale is not None:  # FP8: q's and k's descales scale the scores
-        descales = _descales(Descale, h, group, HAS_LEFT, HAS_RIGHT)
-        qk_scale = qk_scale * gl.load(descales) * gl.load(descales + 1)
+    qk_scale, _ = load_descales(Descale, b, h // group, stride_ds, qk_scale)  # FP8: q's and k's join the scale
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     o_smem = q_smem  # the output leaves through Q's slots, or (FP8 queries) slots of its own
@@ -300,9 +293,9 @@ def _forward_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sinks, Descale, Cu
     # partition produces. Registers per thread: 240 for consumers, 24 for the producer (launch's maxnreg)
     gl.warp_specialize([
         (_consumer, (o_desc, Out, Lse, Sinks, shared, batch, h, row0, q_start, 0, pattern, qk_scale, Descale,
-                     group, stride_o, stride_lse, HEAD_DIM, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)),
+                     h // group, stride_ds, stride_o, stride_lse, HEAD_DIM, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)),
         (_consumer, (o_desc, Out, Lse, Sinks, shared, batch, h, row0, q_start, 1, pattern, qk_scale, Descale,
-                     group, stride_o, stride_lse, HEAD_DIM, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)),
+                     h // group, stride_ds, stride_o, stride_lse, HEAD_DIM, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)),
         (_producer, (q_desc, k_desc, v_desc, shared, batch, h, h // group, row0, q_start, k_start, pattern,
                      HAS_LEFT, HAS_RIGHT)),
     ], [4, 1], [240, 24])
@@ -369,6 +362,6 @@ def forward(q, k, v, sinks, out, lse, pattern: Pattern, scale: float, cu_seqlens
         _descriptor(q, ROWS.value), _descriptor(k, BLOCK_N.value), _descriptor(v, BLOCK_N.value),
         _descriptor(out, ROWS.value), None if cu_q is None else out, lse, sinks, descale, cu_q, cu_k, q.shape[2],
         k.shape[2], Hq // k.shape[1], max(pattern.left, 0), max(pattern.right, 0), pattern.sink_tokens,
-        scale * LOG2E.value, (out.stride(1), out.stride(2)), (lse.stride(0), lse.stride(1)), HEAD_DIM=D,
+        scale * LOG2E.value, k.shape[1] * 3, (out.stride(1), out.stride(2)), (lse.stride(0), lse.stride(1)), HEAD_DIM=D,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, HAS_SINK_TOKENS=pattern.sink_tokens > 0, num_warps=4,
         maxnreg=168)
