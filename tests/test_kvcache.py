@@ -109,6 +109,7 @@ def test_torch_path(layout, nq, pattern, learned_sinks, append):
 SPLITS = {"nq1-split1": (1, 1), "nq3-split5": (3, 5), "nq16-split16": (16, 16)}
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tier: the interpreter (GPUs run test_gpu_*)")
 @pytest.mark.parametrize("layout, pattern, learned_sinks, nq, splits", grid(LAYOUTS, PATTERNS, SPLITS))
 def test_triton_kernel(layout, pattern, learned_sinks, nq, splits):
     """float32 under the interpreter, appending (the queries' own keys land in the cache first)."""
@@ -147,6 +148,7 @@ def test_gpu_triton_kernel(layout, pattern, learned_sinks, nq, splits, dtype):
     assert relative_error(lse, ref_lse) < FLOAT32
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tier: the interpreter on CPU tensors")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 def test_triton_value_dim_and_row_tiles(dtype):
     """A value head dim other than q's, and more stacked rows (group x queries) than one tile holds."""
