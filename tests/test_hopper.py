@@ -26,7 +26,9 @@ hopper_only = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100 / 
     (torch.bfloat16, 128, 128, 127, True, (-1, -1), False),    # less than one Q tile
     (torch.bfloat16, 128, 64, 256, True, (-1, -1), False),     # Dv != D
     (torch.float32, 128, 128, 256, True, (-1, -1), False),
-    (torch.bfloat16, 64, 64, 256, True, (-1, -1), 64 in hopper.HEAD_DIMS),
+    (torch.bfloat16, 64, 64, hopper.HEAD_DIMS[64], True, (-1, -1), True),
+    (torch.bfloat16, 64, 64, hopper.HEAD_DIMS[64] - 1, True, (-1, -1), False),  # below D 64's least length
+    (torch.bfloat16, 96, 96, 8192, True, (-1, -1), False),     # a head dim off the table
     (hopper.FP8, 128, 128, 256, True, (-1, -1), 128 in hopper.FP8_HEAD_DIMS),
     (hopper.FP8, 64, 64, 256, False, (-1, -1), 64 in hopper.FP8_HEAD_DIMS),
     (hopper.FP8, 128, 128, 256, True, (127, 0), False),         # an FP8 window layer
@@ -129,7 +131,8 @@ def test_gpu_packed_sequences(D, causal, with_sinks, fp8):
     (128, 1000, False, (-1, -1), torch.float16, True),
     (128, 1000, False, (127, 0), torch.bfloat16, False),  # window layers: the portable kernel
     (128, 100, True, (-1, -1), torch.bfloat16, False),   # less than one full Q tile
-    (64, 1000, True, (-1, -1), torch.bfloat16, 64 in hopper.HEAD_DIMS),
+    (64, 1000, True, (-1, -1), torch.bfloat16, False),    # D 64 below its least query length
+    (64, hopper.HEAD_DIMS[64], True, (-1, -1), torch.bfloat16, True),
     (128, 1000, True, (-1, -1), torch.float32, False),
 ])
 def test_gpu_dispatch(D, Nq, causal, window, dtype, expected, monkeypatch):

@@ -19,8 +19,8 @@ measured faster than the portable kernel (benchmarks/NOTES.md, 'Warp-specialised
 FP8 inputs (float8_e4m3fn q, k, v with descales, :mod:`gstar.fp8`) take the same schedule with ``Q K^T`` on
 the FP8 tensor cores (half the instructions of a 16-bit product) and ``P V`` in bfloat16 against V widened
 once before the launch: P rounded to FP8's 3 mantissa bits misses the accuracy bar (docs/design.md section 4)
-on causal rows with few keys, which bfloat16's 8 bits keep. ``FP8_HEAD_DIMS`` lists the head dims where it
-beat the portable kernel's FP8 path.
+on causal rows with few keys, which bfloat16's 8 bits keep. ``FP8_HEAD_DIMS`` says where it beat the
+portable kernel's FP8 path.
 """
 
 from __future__ import annotations
@@ -47,13 +47,15 @@ ROWS = gl.constexpr(64)  # query rows per consumer warpgroup: wgmma's M
 BLOCK_M = gl.constexpr(128)  # rows per program: two consumers
 BLOCK_N = gl.constexpr(128)  # keys per block
 STAGES = gl.constexpr(2)  # K and V slots each: 2 x 2 x 32 KB at D = 128, beside 32 KB of Q
-# head dims (D = Dv) where this kernel beat the portable one on an H200 (NOTES, 'Warp-specialised forward on
-# Hopper'); at D = 64 the two are level: the portable kernel's two resident programs per SM hide its softmax too
-HEAD_DIMS = (128,)
+# head dim (D = Dv) -> the least query length (the longest sequence's, when packed) from which this kernel beat
+# the portable one on an H200 (NOTES, 'Warp-specialised forward on Hopper', 'Where the Hopper forward's time
+# goes'): at D = 64 it is 4-6% faster from 8k queries, 1-4% slower at 4k, where the portable kernel's two
+# resident programs per SM hide its softmax as well
+HEAD_DIMS = {128: BLOCK_M.value, 64: 8192}
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-# head dims where the FP8 path (Q K^T on FP8 tensor cores, P V in bfloat16) beat the portable kernel's FP8
-# forward (NOTES, 'FP8 forward on the Hopper kernel'); at D = 64 the portable one is 0-12% faster
-FP8_HEAD_DIMS = (128,)
+# the same table for the FP8 path (Q K^T on FP8 tensor cores, P V in bfloat16) against the portable kernel's
+# FP8 forward (NOTES, 'FP8 forward on the Hopper kernel'); at D = 64 the portable one is 0-12% faster
+FP8_HEAD_DIMS = {128: BLOCK_M.value}
 _GL_ALL = {**_GL_DTYPES, FP8: gl.float8e4nv, torch.float32: gl.float32}  # every tile's element type
 # Triton releases on which this kernel ran the GPU tests and the timings (Gluon changes from release to
 # release: on others it compiles, but the dispatcher keeps the portable kernel until it is verified there)
@@ -315,13 +317,14 @@ def _on_hopper(q: torch.Tensor) -> bool:
 
 def serves(dtype: torch.dtype, head_dim: int, value_dim: int, pattern: Pattern) -> bool:
     """Whether the calls of this kind take this kernel on sm_90: full or causal attention, 16-bit at a head dim
-    of ``HEAD_DIMS`` or FP8 (q, k and v) at one of ``FP8_HEAD_DIMS`` (D = Dv), at least one full Q tile (the
-    longest sequence's, when packed)."""
+    of ``HEAD_DIMS`` or FP8 (q, k and v) at one of ``FP8_HEAD_DIMS`` (D = Dv), with at least the table's query
+    length and one full Q tile (the longest sequence's, when packed)."""
     if dtype == FP8:  # the kernel's 16-bit rule with FP8's table (its P V runs in bfloat16)
-        dtype, head_dims = torch.bfloat16, FP8_HEAD_DIMS
+        dtype, least = torch.bfloat16, FP8_HEAD_DIMS
     else:
-        head_dims = HEAD_DIMS
-    return _full_or_causal(dtype, head_dim, value_dim, pattern, head_dims) and pattern.nq >= BLOCK_M.value
+        least = HEAD_DIMS
+    return (_full_or_causal(dtype, head_dim, value_dim, pattern, least)
+            and pattern.nq >= max(BLOCK_M.value, least[head_dim]))
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern) -> bool:
