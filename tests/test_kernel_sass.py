@@ -44,7 +44,8 @@ def test_gpt_oss_kernels_compile_without_spills(case, flags, kernels):
 
 
 @pytest.mark.parametrize("case,flags", [("D128 causal", []), ("D128 full", ["--varlen"]), ("D128 causal", ["--fp8"]),
-                                        ("D128 full", ["--fp8", "--varlen"])])
+                                        ("D128 full", ["--fp8", "--varlen"]),
+                                        ("N8192 H64/8 D64 causal", [])])  # GPT-OSS at 8k: D 64 from 8k queries
 def test_hopper_forward_is_warp_specialised(case, flags):
     """gstar.kernels.hopper (Gluon) compiles for sm_90a: 12 warps (two consumer warpgroups and the producer's),
     every attention loop on the tensor cores (FP8 inputs: Q K^T on the FP8 ones), and no spills on the Triton
