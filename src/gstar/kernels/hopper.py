@@ -49,7 +49,7 @@ BLOCK_N = gl.constexpr(128)  # keys per block
 STAGES = gl.constexpr(2)  # K and V slots each: 2 x 2 x 32 KB at D = 128, beside 32 KB of Q
 # head dim (D = Dv) -> the least query length (the longest sequence's, when packed) from which this kernel beat
 # the portable one on an H200 (NOTES, 'Warp-specialised forward on Hopper', 'Where the Hopper forward's time
-# goes'): at D = 64 it is 4-6% faster from 8k queries, 1-4% slower at 4k, where the portable kernel's two
+# goes'): at D = 64 it is 1-6% faster from 8k queries, 1-4% slower at 4k, where the portable kernel's two
 # resident programs per SM hide its softmax as well
 HEAD_DIMS = {128: BLOCK_M.value, 64: 8192}
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
