@@ -8,8 +8,8 @@ head's ``q_descale``. :func:`quantize_fp8` makes them.
 On CUDA (compute capability 8.9 and newer) ``Q K^T`` runs on the FP8 tensor cores and the descales fold into the
 softmax's score factor and the finished output; ``P V`` runs in bfloat16 (the forward's V widened in one
 streaming pass before the launch, a cache's in registers by the decode kernel), because P quantised to FP8's
-3 bits of mantissa misses the accuracy bar (docs/design.md section 4) that bfloat16's 8 keep. The PyTorch path (CPU, ``backend="torch"``) runs on the dequantised inputs in the output
-dtype.
+3 bits of mantissa misses the accuracy bar (docs/design.md section 4) that bfloat16's 8 keep. The PyTorch path
+(CPU, ``backend="torch"``) runs on the dequantised inputs in the output dtype.
 """
 
 from __future__ import annotations
