@@ -25,7 +25,7 @@ _MAX_PARTIAL_RATIO = 8
 
 
 @functools.lru_cache(maxsize=16)
-def _sm_count(device: str) -> int:
+def sm_count(device: str) -> int:
     """The SM count of a CUDA device, asked once per device; 0 for any other device (never split there)."""
     d = torch.device(device)
     return torch.cuda.get_device_properties(d).multi_processor_count if d.type == "cuda" else 0
@@ -98,7 +98,7 @@ def split_plan(pattern: Pattern, block_m: int, block_n: int, group: int, program
     ``(n tiles + 1,)``, tile ``t``'s items are ``first[t] .. first[t + 1] - 1``. Zero arguments are chosen
     from the device's SM count (never split on CPU); one item per tile and one split means no partials.
     """
-    return _plan(pattern, block_m, block_n, group, programs, _sm_count(str(device)), head_splits, q_chunk,
+    return _plan(pattern, block_m, block_n, group, programs, sm_count(str(device)), head_splits, q_chunk,
                  str(device))
 
 
