@@ -9,6 +9,10 @@ memory) and then the previous block's P V (P from registers), waits for the scor
 while the tensor cores compute that product; it frees a slot by arriving on its ``empty`` barrier (two
 arrivals, one per warpgroup) once the product that read it has completed.
 
+Dense full attention walks its tiles persistently: one program per SM, each taking the items (tile, head, batch)
+of :func:`_work_item` in turn, its Q ring of two slots letting the next item's Q land during this one's last
+steps (benchmarks/NOTES.md, 'A persistent Hopper forward'); causal and packed calls keep one program per item.
+
 The blocks a tile visits, which of them need the mask, and each block's softmax come from the functions every
 other kernel calls (:func:`gstar.kernels.ranges.kv_range`, :func:`gstar.kernels.ranges.visible` and
 :func:`gstar.kernels.forward.softmax_step`): sink-token blocks first, then the band, masked at its edges.
