@@ -107,7 +107,8 @@ def _work_item(r, walk, TILES_FASTEST: gl.constexpr, PERSISTENT: gl.constexpr):
     batch = b
     if VARLEN:
         batch = 0  # one packed batch row; the sequence is found through CuQ and CuK
-    return valid & (row0 < Nq), batch, b, h, row0, q_start, Nq, k_start, Nk
+        valid = valid & (row0 < Nq)  # (a dense batch's tiles all hold rows)
+    return valid, batch, b, h, row0, q_start, Nq, k_start, Nk
 
 
 @gluon.jit
