@@ -28,6 +28,7 @@ hopper_only = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100 / 
     (torch.float32, 128, 128, 256, True, (-1, -1), False),
     (torch.bfloat16, 64, 64, hopper.HEAD_DIMS[64], True, (-1, -1), True),
     (torch.bfloat16, 64, 64, hopper.HEAD_DIMS[64] - 1, True, (-1, -1), False),  # below D 64's least length
+    (torch.bfloat16, 64, 64, 128, False, (-1, -1), True),      # dense full attention walks from one tile
     (torch.bfloat16, 96, 96, 8192, True, (-1, -1), False),     # a head dim off the table
     (hopper.FP8, 128, 128, 256, True, (-1, -1), 128 in hopper.FP8_HEAD_DIMS),
     (hopper.FP8, 64, 64, 256, False, (-1, -1), 64 in hopper.FP8_HEAD_DIMS),
@@ -37,6 +38,16 @@ hopper_only = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100 / 
 def test_serves(dtype, D, Dv, nq, causal, window, expected):
     pattern = Pattern.make(nq, 300, causal=causal, window=window)
     assert hopper.serves(dtype, D, Dv, pattern) == expected
+
+
+@pytest.mark.parametrize("nq,causal,expected", [
+    (128, False, False),                        # packed full attention keeps the per-item grid's table
+    (hopper.HEAD_DIMS[64], False, True),
+    (hopper.HEAD_DIMS[64] - 1, True, False),    # causal: the same table, packed or not
+])
+def test_serves_packed(nq, causal, expected):
+    pattern = Pattern.make(nq, nq, causal=causal)
+    assert hopper.serves(torch.bfloat16, 64, 64, pattern, packed=True) == expected
 
 
 def test_not_supported_off_the_gpu():
@@ -133,6 +144,7 @@ def test_gpu_packed_sequences(D, causal, with_sinks, fp8):
     (128, 100, True, (-1, -1), torch.bfloat16, False),   # less than one full Q tile
     (64, 1000, True, (-1, -1), torch.bfloat16, False),    # D 64 below its least query length
     (64, hopper.HEAD_DIMS[64], True, (-1, -1), torch.bfloat16, True),
+    (64, 1000, False, (-1, -1), torch.bfloat16, True),    # dense full attention at D 64: the walk
     (128, 1000, True, (-1, -1), torch.float32, False),
 ])
 def test_gpu_dispatch(D, Nq, causal, window, dtype, expected, monkeypatch):

@@ -112,7 +112,7 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
         q_in, scale = (-q, -scale) if scale < 0 else (q * 0.0, 1.0)
     if descale is not None:
         v = widen(v, torch.bfloat16)                                               # (B, Hkv, Nk, Dv)
-    if config is None and hopper.supported(q_in, k, v, pattern):
+    if config is None and hopper.supported(q_in, k, v, pattern, varlen):
         lse = buffers.empty(q.shape[:3], dtype=torch.float32, device=q.device)    # (B, Hq, Nq)
         hopper.forward(q_in, k, v, sinks, out, lse, pattern, scale, cu_seqlens, descale)
         return out, lse

@@ -51,10 +51,11 @@ ROWS = gl.constexpr(64)  # query rows per consumer warpgroup: wgmma's M
 BLOCK_M = gl.constexpr(128)  # rows per program: two consumers
 BLOCK_N = gl.constexpr(128)  # keys per block
 STAGES = gl.constexpr(2)  # K and V slots each: 2 x 2 x 32 KB at D = 128, beside 2 x 32 KB of Q
-# head dim (D = Dv) -> the least query length (the longest sequence's, when packed) from which this kernel beat
-# the portable one on an H200 (NOTES, 'Warp-specialised forward on Hopper', 'Where the Hopper forward's time
-# goes'): at D = 64 it is 1-6% faster from 8k queries, 1-4% slower at 4k, where the portable kernel's two
-# resident programs per SM hide its softmax as well
+# head dim (D = Dv) -> the least query length (the longest sequence's, when packed) from which this kernel's
+# per-item grid (causal and packed calls; dense full attention walks, see serves) beat the portable one on an
+# H200 (NOTES, 'Warp-specialised forward on Hopper', 'Where the Hopper forward's time goes'): at D = 64 it is
+# 1-6% faster from 8k queries, 1-4% slower at 4k, where the portable kernel's two resident programs per SM
+# hide its softmax as well
 HEAD_DIMS = {128: BLOCK_M.value, 64: 8192}
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 # the same table for the FP8 path (Q K^T on FP8 tensor cores, P V in bfloat16) against the portable kernel's
@@ -421,24 +422,32 @@ def _on_hopper(q: torch.Tensor) -> bool:
     return VERIFIED and q.is_cuda and configs.capability_major(q.device) == 9
 
 
-def serves(dtype: torch.dtype, head_dim: int, value_dim: int, pattern: Pattern) -> bool:
+def _walks(dtype: torch.dtype, pattern: Pattern, packed: bool) -> bool:
+    """Whether a call's programs walk their items persistently: dense 16-bit full attention, whose items are
+    equal (FP8's walk, its output in a slot of its own, was 8-10% slower than its per-item grid: NOTES)."""
+    return tiles_fastest(pattern.left >= 0, pattern.right >= 0) and not packed and dtype != FP8
+
+
+def serves(dtype: torch.dtype, head_dim: int, value_dim: int, pattern: Pattern, packed: bool = False) -> bool:
     """Whether the calls of this kind take this kernel on sm_90: full or causal attention, 16-bit at a head dim
-    of ``HEAD_DIMS`` or FP8 (q, k and v) at one of ``FP8_HEAD_DIMS`` (D = Dv), with at least the table's query
-    length and one full Q tile (the longest sequence's, when packed)."""
+    of ``HEAD_DIMS`` or FP8 (q, k and v) at one of ``FP8_HEAD_DIMS`` (D = Dv), with one full Q tile (the
+    longest sequence's, when packed) and, unless :func:`_walks`, at least the table's query length (the walk
+    beat the portable kernel from one tile on: NOTES, 'A persistent Hopper forward')."""
+    walks = _walks(dtype, pattern, packed)  # asked before FP8 takes the 16-bit rule below
     if dtype == FP8:  # the kernel's 16-bit rule with FP8's table (its P V runs in bfloat16)
-        dtype, least = torch.bfloat16, FP8_HEAD_DIMS
+        dtype, table = torch.bfloat16, FP8_HEAD_DIMS
     else:
-        least = HEAD_DIMS
-    return (_full_or_causal(dtype, head_dim, value_dim, pattern, least)
-            and pattern.nq >= max(BLOCK_M.value, least[head_dim]))
+        table = HEAD_DIMS
+    return (_full_or_causal(dtype, head_dim, value_dim, pattern, table)
+            and pattern.nq >= (BLOCK_M.value if walks else max(BLOCK_M.value, table[head_dim])))
 
 
-def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern) -> bool:
-    """Whether this kernel serves this call (dense, or the heads-first views of packed sequences): a
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern, packed: bool = False) -> bool:
+    """Whether this kernel serves this call (dense, or the heads-first views of ``packed`` sequences): a
     ``VERIFIED`` Triton, q on an sm_90 GPU, a call of the kind :func:`serves` (FP8: q and k, V widened to
     bfloat16), and operands a TMA descriptor can read."""
     return (_on_hopper(q) and q.dtype == k.dtype and v.dtype == (torch.bfloat16 if q.dtype == FP8 else q.dtype)
-            and serves(q.dtype, q.shape[3], v.shape[3], pattern) and descriptors.supported(q, k, v))
+            and serves(q.dtype, q.shape[3], v.shape[3], pattern, packed) and descriptors.supported(q, k, v))
 
 
 @functools.lru_cache(maxsize=None)
@@ -470,7 +479,7 @@ def forward(q, k, v, sinks, out, lse, pattern: Pattern, scale: float, cu_seqlens
     # dense full attention: one program per SM (one fits: registers) walking items of equal work, each item's
     # Q and first blocks landing under the last one's steps; causal or packed: a program per item, as the
     # hardware's dispatch evens out unequal items better than a fixed walk (NOTES, 'Persistent forward')
-    persistent = tiles_fastest(has_left, has_right) and cu_q is None
+    persistent = _walks(q.dtype, pattern, cu_q is not None)
     if persistent:
         grid = (min(items, schedule.sm_count(str(q.device))), )
     else:
