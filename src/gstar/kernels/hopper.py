@@ -338,9 +338,9 @@ def _consumer(o_desc, Out, Lse, Sinks, Descale, shared, walk, half, group, patte
               stride_o, stride_lse, HEAD_DIM: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
               HAS_SINK_TOKENS: gl.constexpr, PERSISTENT: gl.constexpr):
     """One warpgroup (``half`` of each tile's rows) over the program's items (:func:`_tile`), counting steps
-    and items as the producer does. A program of one item keeps its counts constant: folded, its code is
-    the per-item grid's, which the loop's runtime counts made 4-5% slower on causal layers (NOTES,
-    'Persistent forward')."""
+    and items as the producer does (the same loop: a walker taking the item's function would carry the
+    constexpr flags in a tuple, where Gluon makes them runtime values); a program of one item keeps both
+    counts constant (0)."""
     if PERSISTENT:
         c = 0  # steps so far
         t = 0  # items so far
@@ -478,7 +478,7 @@ def forward(q, k, v, sinks, out, lse, pattern: Pattern, scale: float, cu_seqlens
     items = tiles * Hq * seqs
     # dense full attention: one program per SM (one fits: registers) walking items of equal work, each item's
     # Q and first blocks landing under the last one's steps; causal or packed: a program per item, as the
-    # hardware's dispatch evens out unequal items better than a fixed walk (NOTES, 'Persistent forward')
+    # hardware's dispatch evens out unequal items better than a fixed walk (NOTES, 'A persistent Hopper forward')
     persistent = _walks(q.dtype, pattern, cu_q is not None)
     if persistent:
         grid = (min(items, schedule.sm_count(str(q.device))), )
