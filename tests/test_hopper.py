@@ -9,7 +9,7 @@ import torch
 import gstar
 from inputs import make_qkv
 from gstar.accuracy import verdict
-from gstar.kernels import attention_forward, hopper
+from gstar.kernels import attention_forward, hopper, schedule
 from gstar.pattern import Pattern
 from gstar.reference import naive_attention
 
@@ -91,6 +91,28 @@ def test_gpu_both_kernels_within_bar(D, dtype, Nq, Nk, causal, with_sinks):
     hopper.forward(q, k, v, sinks, out, lse, pattern, D ** -0.5)
     _check(out, lse, q, k, v, sinks, pattern)
     _check(*attention_forward(q, k, v, sinks, pattern, D ** -0.5, config={}), q, k, v, sinks, pattern)
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("Nq,Nk", [(1000, 1000), (129, 4097)])
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("programs", [1, 3])
+def test_gpu_walk_over_many_rounds(D, Nq, Nk, with_sinks, programs, monkeypatch):
+    """Dense full attention walks its items: on a card of 1 or 3 SMs every program takes many items (the Q
+    ring's slots and phases, the deferred output stores), and the output is bitwise the one of a walk over
+    the card's SMs (each item's arithmetic is the same), within the bar."""
+    q, k, v = make_qkv(2, 8, 2, Nq, Nk, D, torch.bfloat16, device="cuda", layout="bnhd")
+    sinks = torch.randn(8, device="cuda") if with_sinks else None
+    pattern = Pattern.make(Nq, Nk)
+    full = [torch.full_like(q, float("nan")), torch.full(q.shape[:3], float("nan"), device="cuda")]
+    hopper.forward(q, k, v, sinks, *full, pattern, D ** -0.5)
+    monkeypatch.setattr(schedule, "sm_count", lambda device: programs)
+    few = [torch.full_like(q, float("nan")), torch.full(q.shape[:3], float("nan"), device="cuda")]
+    hopper.forward(q, k, v, sinks, *few, pattern, D ** -0.5)
+    assert torch.equal(few[0], full[0]) and torch.equal(few[1], full[1])
+    _check(*few, q, k, v, sinks, pattern)
 
 
 @pytest.mark.gpu
