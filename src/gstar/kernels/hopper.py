@@ -154,11 +154,13 @@ def _ring_load(desc, coord, ring, ready, empty, i):
 
 
 @gluon.jit
-def _produce(q_desc, k_desc, v_desc, shared, item, c, t, group, pattern, HAS_LEFT: gl.constexpr,
-             HAS_RIGHT: gl.constexpr):
+def _produce(item, c, t, args, flags: gl.constexpr):
     """Work item t (:func:`_work_item`'s tuple ``item``) whose step 0 is the program's step ``c``: its Q into
     slot ``t % slots`` of the Q ring once free, then K and V of its every step into slot ``step % STAGES`` of
-    theirs; returns its step count."""
+    theirs; returns its step count. args, flags: as :func:`_producer` passes them."""
+    q_desc, k_desc, v_desc, shared, group, pattern = args
+    HAS_LEFT: gl.constexpr = flags[0]
+    HAS_RIGHT: gl.constexpr = flags[1]
     q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = shared
     left, right, sink_tokens = pattern
     _, batch, b, h, row0, q_start, Nq, k_start, Nk = item
@@ -177,23 +179,34 @@ def _produce(q_desc, k_desc, v_desc, shared, item, c, t, group, pattern, HAS_LEF
 
 
 @gluon.jit
+def _walk(item_fn: gl.constexpr, args, flags: gl.constexpr, walk, PERSISTENT: gl.constexpr):
+    """``item_fn(item, c, t, args, flags)`` on each work item of the program (:func:`_work_item`), which
+    returns the item's step count: PERSISTENT, ``c`` and ``t`` count the steps and items before it over the
+    program's walk (the rings' running indices); else the program's one item, both constant (0). flags: the
+    constexpr ones, ``(HAS_LEFT, HAS_RIGHT, ...)``, kept apart from ``args`` (in a tuple of values Gluon would
+    make them runtime values)."""
+    TILES_FASTEST: gl.constexpr = tiles_fastest(flags[0], flags[1])
+    if PERSISTENT:
+        c = 0
+        t = 0
+        for r in range(_rounds(walk)):
+            item = _work_item(r, walk, TILES_FASTEST, True)
+            if item[0]:
+                c += item_fn(item, c, t, args, flags)
+                t += 1
+    else:
+        item = _work_item(0, walk, TILES_FASTEST, False)
+        if item[0]:
+            item_fn(item, 0, 0, args, flags)
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, v_desc, shared, walk, group, pattern, HAS_LEFT: gl.constexpr,
               HAS_RIGHT: gl.constexpr, PERSISTENT: gl.constexpr):
-    """One warp: every work item of the program (:func:`_produce`), steps and items counted over its walk.
-    shared: the kernel's buffers and barriers; walk: :func:`_work_item`'s; pattern: ``(left, right,
-    sink_tokens)``."""
-    if PERSISTENT:
-        c = 0  # steps so far
-        t = 0  # items so far
-        for r in range(_rounds(walk)):
-            item = _work_item(r, walk, tiles_fastest(HAS_LEFT, HAS_RIGHT), True)
-            if item[0]:
-                c += _produce(q_desc, k_desc, v_desc, shared, item, c, t, group, pattern, HAS_LEFT, HAS_RIGHT)
-                t += 1
-    else:  # one item, its counts constant
-        item = _work_item(0, walk, tiles_fastest(HAS_LEFT, HAS_RIGHT), False)
-        if item[0]:
-            _produce(q_desc, k_desc, v_desc, shared, item, 0, 0, group, pattern, HAS_LEFT, HAS_RIGHT)
+    """One warp: every work item of the program (:func:`_produce`). shared: the kernel's buffers and barriers;
+    walk: :func:`_work_item`'s; pattern: ``(left, right, sink_tokens)``."""
+    _walk(_produce, (q_desc, k_desc, v_desc, shared, group, pattern), gl.constexpr((HAS_LEFT, HAS_RIGHT)), walk,
+          PERSISTENT)
 
 
 @gluon.jit
@@ -255,16 +268,20 @@ def _free_last_output(t, q_empty):
 
 
 @gluon.jit
-def _tile(o_desc, Out, Lse, Sinks, Descale, shared, item, c, t, half, pattern, qk_scale, group, stride_ds,
-          stride_o, stride_lse, HEAD_DIM: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-          HAS_SINK_TOKENS: gl.constexpr):
+def _tile(item, c, t, args, flags: gl.constexpr):
     """One warpgroup's share of work item t (:func:`_work_item`'s tuple ``item``), its step 0 the program's
     step ``c``: rows ``row0 + half * 64 ...`` of the tile, from Q in slot ``t % slots`` to the output and the
     natural-log LSE; returns the item's step count. Dense (Out None): the output leaves through the
     warpgroup's half of the Q slot (FP8: a slot of its own) and a TMA store, which clips rows past Nq and is
     waited for one item later. Packed: masked stores to Out, since the rows past this sequence's end are the
-    next sequence's. Descale, stride_ds: as :func:`_forward_kernel` takes them (q's and k's descales join
-    qk_scale here)."""
+    next sequence's. args, flags: as :func:`_consumer` passes them (Descale, stride_ds as
+    :func:`_forward_kernel` takes them; q's and k's descales join qk_scale here)."""
+    o_desc, Out, Lse, Sinks, Descale, shared, group, pattern, qk_scale, stride_ds, stride_o, stride_lse = args
+    HAS_LEFT: gl.constexpr = flags[0]
+    HAS_RIGHT: gl.constexpr = flags[1]
+    HAS_SINK_TOKENS: gl.constexpr = flags[2]
+    HEAD_DIM: gl.constexpr = flags[3]
+    half: gl.constexpr = flags[4]
     q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = shared
     left, right, sink_tokens = pattern
     _, batch, b, h, row0, q_start, Nq, k_start, Nk = item
@@ -334,27 +351,12 @@ def _tile(o_desc, Out, Lse, Sinks, Descale, shared, item, c, t, half, pattern, q
 
 
 @gluon.jit
-def _consumer(o_desc, Out, Lse, Sinks, Descale, shared, walk, half, group, pattern, qk_scale, stride_ds,
+def _consumer(o_desc, Out, Lse, Sinks, Descale, shared, walk, half: gl.constexpr, group, pattern, qk_scale, stride_ds,
               stride_o, stride_lse, HEAD_DIM: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
               HAS_SINK_TOKENS: gl.constexpr, PERSISTENT: gl.constexpr):
-    """One warpgroup (``half`` of each tile's rows) over the program's items (:func:`_tile`), counting steps
-    and items as the producer does (the same loop: a walker taking the item's function would carry the
-    constexpr flags in a tuple, where Gluon makes them runtime values); a program of one item keeps both
-    counts constant (0)."""
-    if PERSISTENT:
-        c = 0  # steps so far
-        t = 0  # items so far
-        for r in range(_rounds(walk)):
-            item = _work_item(r, walk, tiles_fastest(HAS_LEFT, HAS_RIGHT), True)
-            if item[0]:
-                c += _tile(o_desc, Out, Lse, Sinks, Descale, shared, item, c, t, half, pattern, qk_scale, group,
-                           stride_ds, stride_o, stride_lse, HEAD_DIM, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)
-                t += 1
-    else:
-        item = _work_item(0, walk, tiles_fastest(HAS_LEFT, HAS_RIGHT), False)
-        if item[0]:
-            _tile(o_desc, Out, Lse, Sinks, Descale, shared, item, 0, 0, half, pattern, qk_scale, group,
-                  stride_ds, stride_o, stride_lse, HEAD_DIM, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)
+    """One warpgroup (``half`` of each tile's rows): every work item of the program (:func:`_tile`)."""
+    _walk(_tile, (o_desc, Out, Lse, Sinks, Descale, shared, group, pattern, qk_scale, stride_ds, stride_o, stride_lse),
+          gl.constexpr((HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, HEAD_DIM, half)), walk, PERSISTENT)
     tma.store_wait(0)  # the last output read out of shared memory before the program ends
 
 
