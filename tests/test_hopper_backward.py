@@ -1,7 +1,9 @@
-"""The fused Hopper backward (gstar.kernels.hopper_backward, dQ added up with atomics): taken only when a call
-asks for ``deterministic=False`` and the kernel serves it; within the 3x gradient bar on every pattern it
-accepts at odd lengths, GQA, strided inputs and an LSE gradient (GPU tier, Hopper only). Off the GPU the
-flag changes nothing. tests/test_kernel_sass.py compiles the kernel for sm_90a on the CPU."""
+"""The fused Hopper backward (gstar.kernels.hopper_backward): one pass for dK, dV and dQ, dQ added up by the
+copy engine. ``deterministic=False`` takes it for full and causal attention; the default takes it for causal
+calls with no more keys than queries, each dQ tile's adds in a fixed order. Within the 3x gradient bar on
+every pattern it accepts at odd lengths, GQA, strided inputs and an LSE gradient, bitwise reproducible where
+ordered (GPU tier, Hopper only). Off the GPU the flag changes nothing. tests/test_kernel_sass.py compiles the
+kernel for sm_90a on the CPU."""
 
 import pytest
 import torch
@@ -9,8 +11,8 @@ import torch
 import gstar
 from inputs import make_qkv
 from gstar.kernels import attention_backward, hopper_backward
-from gstar.pattern import Pattern
-from test_backward import _check_bar, _check_exact_zeros, _oracle
+from gstar.pattern import Pattern, kv_blocks, q_blocks
+from test_backward import _check_bar, _check_exact_zeros, _oracle, _oracle_by_kv_head
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 hopper_only = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100 / H200)")
@@ -20,7 +22,7 @@ hopper_only = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100 / 
     (torch.bfloat16, 128, 128, True, (-1, -1), False, True),
     (torch.float16, 128, 128, False, (-1, -1), False, True),
     (torch.bfloat16, 128, 128, False, (-1, 0), False, True),   # causal spelled as a window
-    (torch.bfloat16, 128, 128, True, (-1, -1), True, False),   # learned sinks: the deterministic kernels
+    (torch.bfloat16, 128, 128, True, (-1, -1), True, False),   # learned sinks: the two-kernel backward
     (torch.bfloat16, 128, 128, True, (127, 0), False, False),  # a window layer
     (torch.bfloat16, 64, 64, True, (-1, -1), False, 64 in hopper_backward.HEAD_DIMS),
     (torch.bfloat16, 128, 128, False, (-1, 3), False, False),  # a right bound past the diagonal
@@ -28,9 +30,44 @@ hopper_only = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100 / 
     (torch.bfloat16, 96, 96, True, (-1, -1), False, False),    # a head dim it was not built for
     (torch.float32, 128, 128, True, (-1, -1), False, False),
 ])
-def test_serves(dtype, D, Dv, causal, window, sinks, expected):
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_serves(dtype, D, Dv, causal, window, sinks, expected, deterministic):
+    """Without the flag: what the kernel was built for. With it: causal calls alone (full attention would
+    queue at the ordered adds)."""
     pattern = Pattern.make(300, 300, causal=causal, window=window)
-    assert hopper_backward.serves(dtype, D, Dv, pattern, sinks) == expected
+    causal = pattern.right == 0
+    assert hopper_backward.serves(dtype, D, Dv, pattern, sinks, deterministic) == (
+        expected and (causal or not deterministic))
+
+
+@pytest.mark.parametrize("nq,nk", [(300, 300), (1000, 999), (4097, 4097), (777, 300), (129, 128), (64, 1)])
+def test_ordered_counts(nq, nk):
+    """What the ordered adds rely on, in the rule's own terms (gstar.pattern): the KV tiles whose programs add
+    into causal Q tile m are exactly tiles 0 .. last(m), the last that m sees (the kernel's ``_last_tile``,
+    from kv_range, which tests/test_ranges.py checks against kv_blocks), so the count for tile j reaches
+    last(m) - j; and in the order the writer waits for (descending tiles) each program reaches the tile at
+    least two of its steps after the one before it."""
+    pattern = Pattern.make(nq, nk, causal=True)
+    rows, keys = hopper_backward.ROWS.value, hopper_backward.BLOCK_N.value
+    n_tiles = -(-nk // keys)
+    first = [q_blocks(pattern, j * keys, rows, keys)[0] for j in range(n_tiles)]
+    for m in range(-(-nq // rows)):
+        adders = [j for j in range(n_tiles) if q_blocks(pattern, j * keys, rows, keys)[0] <= m
+                  < q_blocks(pattern, j * keys, rows, keys)[3]]
+        last = kv_blocks(pattern, m * rows, rows, keys)[4] - 1
+        assert adders == list(range(last + 1))
+        for j in adders[:-1]:  # steps from each program's first Q tile to m
+            assert m - first[j] >= m - first[j + 1] + 2
+
+
+@pytest.mark.parametrize("nq,nk,expected", [(300, 300, True), (301, 300, True), (4000, 129, True),
+                                            (300, 301, False), (1, 4000, False)])
+def test_serves_ordered_lengths(nq, nk, expected):
+    """The ordered adds wait for nothing only when each KV tile's first Q tile lies past the one before:
+    causal with no more keys than queries."""
+    pattern = Pattern.make(nq, nk, causal=True)
+    assert hopper_backward.serves(torch.bfloat16, 128, 128, pattern, False, True) == expected
+    assert hopper_backward.serves(torch.bfloat16, 128, 128, pattern, False, False)
 
 
 def test_flag_changes_nothing_off_hopper():
@@ -53,11 +90,12 @@ def test_flag_changes_nothing_off_hopper():
 @pytest.mark.parametrize("Nq,Nk", [(128, 128), (1000, 1000), (777, 300), (300, 777), (65, 4097)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("group", [1, 4])
-def test_gpu_within_bar(D, dtype, Nq, Nk, causal, group, monkeypatch):
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gpu_within_bar(D, dtype, Nq, Nk, causal, group, deterministic, monkeypatch):
     """Full and causal attention at odd lengths (Nq > Nk leaves causal rows without keys, Nq < Nk keys no
     row sees), MHA and GQA 4 (a program walks several query heads: both warpgroups' turns at dQ cross head
     boundaries), (B, N, H, D) strides, an LSE gradient: the 3x bar, exact zeros, and the fused kernel is the
-    one that ran."""
+    one that ran where it serves the call (else the two-kernel backward)."""
     calls = []
     monkeypatch.setattr(hopper_backward, "backward", lambda *a: calls.append(1) or fused(*a))
     q, k, v = make_qkv(2, 8, 8 // group, Nq, Nk, D, dtype, device="cuda", layout="bnhd")
@@ -69,17 +107,47 @@ def test_gpu_within_bar(D, dtype, Nq, Nk, causal, group, monkeypatch):
     out = torch.empty_like(q).copy_(ref_out)
     pattern = Pattern.make(Nq, Nk, causal=causal)
     grads = attention_backward(dout, q, k, v, out, ref_lse.float(), dlse, None, pattern, scale,
-                               deterministic=False)
-    assert calls == [1]
+                               deterministic=deterministic)
+    assert calls == [1] * hopper_backward.serves(dtype, D, D, pattern, False, deterministic)
     _check_bar(grads, ref, pt)
     _check_exact_zeros(grads, pattern)
+    if deterministic:
+        again = attention_backward(dout, q, k, v, out, ref_lse.float(), dlse, None, pattern, scale)
+        for a, b in zip(grads[:3], again[:3]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("N,H,group", [(4999, 16, 8), (17001, 2, 2)])
+def test_gpu_ordered_adds(N, H, group, monkeypatch):
+    """The ordered dQ: many KV tiles add into each dQ tile (4999: 40 tiles; 17001: 133 tiles, more than an
+    H100 / H200 has SMs, so a tile's programs cannot all be resident at once and must not wait on one not
+    yet launched), GQA 8 and 2: within the bar, and bitwise equal over five runs."""
+    calls = []
+    monkeypatch.setattr(hopper_backward, "backward", lambda *a: calls.append(1) or fused(*a))
+    D, dtype, scale = 128, torch.bfloat16, 128 ** -0.5
+    q, k, v = make_qkv(1, H, H // group, N, N, D, dtype, device="cuda")
+    dout = torch.randn_like(q)
+    pattern = Pattern.make(N, N, causal=True)
+    ref_out, ref_lse, _ = _oracle(q, k, v, None, dout, None, dict(causal=True), scale, torch.float32)
+    out = ref_out.to(dtype)
+    runs = [attention_backward(dout, q, k, v, out, ref_lse.float(), None, None, pattern, scale)
+            for _ in range(5)]
+    assert calls == [1] * 5
+    for grads in runs[1:]:
+        for a, b in zip(grads[:3], runs[0][:3]):
+            assert torch.equal(a, b)
+    ref = _oracle_by_kv_head(q, k, v, None, dout, None, dict(causal=True), scale, torch.float64)
+    pt = _oracle_by_kv_head(q, k, v, None, dout, None, dict(causal=True), scale, dtype)
+    _check_bar(runs[0], ref, pt)
 
 
 @pytest.mark.gpu
 @hopper_only
 def test_gpu_through_the_api(monkeypatch):
-    """``flash_attention(deterministic=False)`` reaches the fused kernel through autograd, and its gradients
-    agree with the deterministic ones up to rounding."""
+    """``flash_attention`` reaches the fused kernel through autograd both ways on a causal call, and the
+    unordered adds agree with the ordered ones up to rounding."""
     calls = []
     monkeypatch.setattr(hopper_backward, "backward", lambda *a: calls.append(1) or fused(*a))
     q, k, v = (t.requires_grad_() for t in make_qkv(1, 8, 8, 1000, 1000, 128, torch.bfloat16, device="cuda"))
@@ -88,7 +156,7 @@ def test_gpu_through_the_api(monkeypatch):
     for deterministic in (True, False):
         out = gstar.flash_attention(q, k, v, causal=True, deterministic=deterministic)
         grads.append(torch.autograd.grad(out, (q, k, v), dout))
-    assert calls == [1]
+    assert calls == [1, 1]
     for a, b in zip(*grads):
         assert (a.float() - b.float()).abs().max() <= 0.02 * a.float().abs().max()
 

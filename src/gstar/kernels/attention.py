@@ -259,15 +259,15 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
     stats = buffers.empty(plan.stats_shape, dtype=torch.float32, device=q.device)
     delta, lse2 = stats[0], stats[1]                                                # (B, Hq, Nq) each
     cu_q, cu_k = cu_seqlens if varlen else (None, None)
-    if (not deterministic and config is None and not varlen
-            and hopper_backward.supported(q, k, v, dout, pattern, sinks is not None)):
+    if (config is None and not varlen
+            and hopper_backward.supported(q, k, v, dout, pattern, sinks is not None, deterministic)):
         # the dQ kernel's row statistics alone, then one kernel for dK, dV and a float32 dQ
         launch(_dq, plan.dq_grid, (q, k, v, out, dout, dlse, lse, None, lse2, delta, q, None, plan.kv_table,
                                    None, None),  # (DQ: unused)
                (*plan.dq_head, batch_strides(q.stride(), False), *plan.dq_tail), plan.stats_options)
         dk, dv = like(k), like(v)
         dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)        # (B, Hq, Nq, D)
-        hopper_backward.backward(q, k, v, dout, dk, dv, dq_sum, lse2, delta, pattern, scale)
+        hopper_backward.backward(q, k, v, dout, dk, dv, dq_sum, lse2, delta, pattern, scale, deterministic)
         return like(q).copy_(dq_sum), dk, dv, None
     dq_tma = plan.dq_tma and descriptors.supported(k, v)
     dkdv_tma = plan.dkdv_tma and descriptors.supported(q, dout)

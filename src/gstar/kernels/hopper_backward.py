@@ -45,11 +45,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ..pattern import Pattern, cdiv
 from . import descriptors
 from .hopper import _descriptor, _full_or_causal, _on_hopper, _operand, _ring_barriers, _ring_load, _tma_load
-from .ranges import q_range, visible
+from .ranges import kv_range, q_range, visible
 
 ROWS = gl.constexpr(64)  # queries per step, and keys per consumer warpgroup: wgmma's M
 BLOCK_N = gl.constexpr(128)  # keys per program: two consumers
 STAGES = gl.constexpr(2)  # Q and dO slots each
+WRITER = gl.constexpr(32)  # threads of the dQ writer warp, each counting an ordered add once
 # head dims (D = Dv) where this kernel beat the deterministic backward on an H200 (NOTES, 'Fused backward
 # with atomic dQ'); at D = 64 it is level or slower: its 64 x 64 score tiles leave the softmax work per product
 # twice D = 128's, and the portable dK/dV and dQ kernels fit two programs per SM there
@@ -72,11 +73,39 @@ _sync_warpgroup = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 @gluon.jit
+def _last_tile(m, Nq, Nk, right):
+    """The last 128-key tile that causal Q tile ``m`` sees: tiles ``0 ..`` it each add into its dQ."""
+    return kv_range(m * ROWS, Nq, Nk, 0, right, 0, ROWS, BLOCK_N, False, True)[4] - 1
+
+
+@gluon.jit
+def _wait_count(count, target):
+    """Every thread of the warp polls the int32 at ``count`` until it reaches ``target`` (an acquire: the adds
+    it counts are complete)."""
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; poll: ld.acquire.gpu.global.b32 $0, [$1]; setp.lt.s32 p, $0, $2; @p bra poll; }",
+        "=r,l,r", [count, target], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _release_count(count, PENDING: gl.constexpr):
+    """Once at most ``PENDING`` (0 or 1) of this thread's TMA adds are still in flight, adds one to the int32
+    at ``count`` (a release). Complete, not only read out of shared memory, which is all ``tma.store_wait``
+    waits for; the thread that issued the adds counts only after they are, so WRITER counts mean done."""
+    if PENDING == 0:
+        gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; red.release.gpu.global.add.s32 [$1], 1; mov.b32 $0, 0;",
+                                  "=r,l", [count], dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise("cp.async.bulk.wait_group 1; red.release.gpu.global.add.s32 [$1], 1; mov.b32 $0, 0;",
+                                  "=r,l", [count], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, shared, batch, h_first, key0, m_start, n_m, GROUP: gl.constexpr):
     """One warp: K and V, then Q and dO of every step into slot ``step % STAGES`` of their rings. Step ``it``
     is query head ``h_first + it // n_m``, Q tile ``m_start + it % n_m``."""
     (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
-     ds_ready) = shared
+     ds_ready, dq_staged, dq_free) = shared
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     _tma_load(k_desc, [batch, h_first // GROUP, key0, 0], kv_ready, k_smem)
     _tma_load(v_desc, [batch, h_first // GROUP, key0, 0], kv_ready, v_smem)
@@ -87,14 +116,44 @@ def _producer(q_desc, k_desc, v_desc, do_desc, shared, batch, h_first, key0, m_s
 
 
 @gluon.jit
-def _steps(k, v, k_other, shared, dk, dv, Lse2, Delta, dqa_desc, lo, hi, it0, b, h, half, keys, s_zero, dq_zero,
-           qk_scale, scale, row_base, Nq, Nk, right, HAS_RIGHT: gl.constexpr, MASKED: gl.constexpr):
-    """Q tiles ``[lo, hi)`` of query head ``h`` (steps ``it0 ..``): adds each one's share to this warpgroup's
-    dk, dv (64, D) float32 and, on its turns, the step's dQ to the accumulator under dqa_desc. k, v: this
-    warpgroup's 64 keys in shared memory, k_other: the other's; keys: their positions (64,); row_base:
-    Lse2's and Delta's offset of head h's row 0."""
+def _writer(dqa_desc, Counts, shared, batch, h_first, tile, m_start, n_m, Nq, Nk, right, GROUP: gl.constexpr,
+            ORDERED: gl.constexpr):
+    """One warp: adds each step's dQ tile, staged by the warpgroup whose turn it was (step ``it``: buffer
+    ``it % 2``), into the float32 accumulator by the copy engine's reduce-add, and frees the buffer once the
+    add has read it; the latency of the adds stays off the consumers. ORDERED: a dQ tile's adds go in
+    descending KV-tile order. Counts (B, Hq, n_q_tiles) int32 holds WRITER per add done; the writer waits
+    until its tile's count shows every later KV tile's add, and counts its own add once it is complete,
+    which it learns after issuing the next one (the last at the end)."""
     (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
-     ds_ready) = shared
+     ds_ready, dq_staged, dq_free) = shared
+    n_q_tiles = gl.cdiv(Nq, ROWS)
+    count = Counts
+    for it in range(GROUP * n_m):
+        h = h_first + it // n_m
+        m = m_start + it % n_m
+        mbarrier.wait(dq_staged.index(it % 2), (it // 2) & 1)
+        if ORDERED:
+            done = count
+            count = Counts + (batch * gl.num_programs(1) * GROUP + h) * n_q_tiles + m
+            _wait_count(count, (_last_tile(m, Nq, Nk, right) - tile) * WRITER)
+        _tma_add(dqa_desc, [batch, h, m * ROWS, 0], dq_smem.index(it % 2))  # rows past Nq are clipped
+        if ORDERED and it > 0:
+            _release_count(done, 1)
+        tma.store_wait(0)
+        mbarrier.arrive(dq_free.index(it % 2), count=1)
+    if ORDERED and GROUP * n_m > 0:
+        _release_count(count, 0)
+
+
+@gluon.jit
+def _steps(k, v, k_other, shared, dk, dv, lo, hi, it0, half, keys, s_zero, dq_zero, Lse2, Delta, qk_scale, scale,
+           row_base, Nq, Nk, right, HAS_RIGHT: gl.constexpr, MASKED: gl.constexpr):
+    """Q tiles ``[lo, hi)`` of one query head (steps ``it0 ..``): adds each one's share to this warpgroup's
+    dk, dv (64, D) float32 and, on its turns, stages the step's dQ for the writer. k, v: this
+    warpgroup's 64 keys in shared memory, k_other: the other's; keys: their positions (64,); row_base:
+    Lse2's and Delta's offset of the head's row 0."""
+    (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
+     ds_ready, dq_staged, dq_free) = shared
     HEAD_DIM: gl.constexpr = k.shape[1]
     col_layout: gl.constexpr = gl.SliceLayout(0, s_zero.type.layout)
     row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -137,26 +196,24 @@ def _steps(k, v, k_other, shared, dk, dv, Lse2, Delta, dqa_desc, lo, hi, it0, b,
             other = ds.slice((1 - half) * ROWS, ROWS, dim=0).permute((1, 0))
             dq = warpgroup_mma(other, k_other, dq, is_async=True)
             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-            # the copy engine adds the tile into dQ (rows past Nq are clipped) once its last add has read it
-            tma.store_wait(0)
-            _sync_warpgroup()
+            # into the staging tile once the writer's last add from it has read it; the writer adds it to dQ
+            mbarrier.wait(dq_free.index(half), ((it // 2) & 1) ^ 1)
             dq_tile.store(dq * scale)
             fence_async_shared()
             _sync_warpgroup()
-            _tma_add(dqa_desc, [b, h, m * ROWS, 0], dq_smem.index(half))
+            mbarrier.arrive(dq_staged.index(half), count=1)
         mbarrier.arrive(q_empty.index(slot), count=1)
         mbarrier.arrive(do_empty.index(slot), count=1)
     return dk, dv
 
 
 @gluon.jit
-def _consumer(DK, DV, Lse2, Delta, dqa_desc, shared, b, h_first, key0, half, starts, n_m, Nq, Nk, right, qk_scale,
-              scale, stride_dk, stride_dv, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-              HAS_RIGHT: gl.constexpr):
-    """One warpgroup: keys ``key0 + half * 64 ...`` of the tile, from K and V in shared memory to their rows
-    of DK and DV. starts: ``(m_start, full_start, full_end, m_end)`` of :func:`q_range`."""
+def _consumer(DK, DV, Lse2, Delta, shared, b, h_first, tile, half, starts, n_m, Nq, Nk, right, qk_scale, scale,
+              stride_dk, stride_dv, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """One warpgroup: keys ``tile * 128 + half * 64 ...`` of the tile, from K and V in shared memory to their
+    rows of DK and DV. starts: ``(m_start, full_start, full_end, m_end)`` of :func:`q_range`."""
     (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
-     ds_ready) = shared
+     ds_ready, dq_staged, dq_free) = shared
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, ROWS, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -168,6 +225,7 @@ def _consumer(DK, DV, Lse2, Delta, dqa_desc, shared, b, h_first, key0, half, sta
     k = k_smem.reshape([BLOCK_N, HEAD_DIM]).slice(half * ROWS, ROWS, dim=0)  # (64 keys, D)
     v = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(half * ROWS, ROWS, dim=0)
     k_other = k_smem.reshape([BLOCK_N, HEAD_DIM]).slice((1 - half) * ROWS, ROWS, dim=0)  # the other's keys
+    key0 = tile * BLOCK_N
     keys = key0 + half * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (64,)
     mbarrier.wait(kv_ready, 0)
     for g in range(GROUP):
@@ -177,10 +235,8 @@ def _consumer(DK, DV, Lse2, Delta, dqa_desc, shared, b, h_first, key0, half, sta
         for segment in gl.static_range(3):  # masked edge, unmasked interior, masked edge
             lo = starts[segment]
             hi = starts[segment + 1]
-            dk, dv = _steps(k, v, k_other, shared, dk, dv, Lse2, Delta, dqa_desc, lo, hi, it + lo - starts[0], b, h,
-                            half, keys, s_zero, dq_zero, qk_scale, scale, row_base, Nq, Nk, right, HAS_RIGHT,
-                            segment != 1)
-    tma.store_wait(0)  # the last add has read its tile before the program's shared memory goes
+            dk, dv = _steps(k, v, k_other, shared, dk, dv, lo, hi, it + lo - starts[0], half, keys, s_zero, dq_zero,
+                            Lse2, Delta, qk_scale, scale, row_base, Nq, Nk, right, HAS_RIGHT, segment != 1)
     key_rows = key0 + half * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))  # (64,)
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))                      # (D,)
     hkv = h_first // GROUP
@@ -192,9 +248,9 @@ def _consumer(DK, DV, Lse2, Delta, dqa_desc, shared, b, h_first, key0, half, sta
 
 
 @gluon.jit(do_not_specialize=["Nq", "Nk", "right"])
-def _backward_kernel(q_desc, k_desc, v_desc, do_desc, dqa_desc, DK, DV, Lse2, Delta, Nq, Nk, right, qk_scale,
-                     scale, stride_dk, stride_dv, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     HAS_RIGHT: gl.constexpr):
+def _backward_kernel(q_desc, k_desc, v_desc, do_desc, dqa_desc, DK, DV, Lse2, Delta, Counts, Nq, Nk, right,
+                     qk_scale, scale, stride_dk, stride_dv, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     HAS_RIGHT: gl.constexpr, ORDERED: gl.constexpr):
     """Grid ``(cdiv(Nk, 128), Hkv, B)``: dK, dV of one 128-key tile of one kv head, and its share of dQ.
 
     q_desc, do_desc: descriptors over (B, Hq, Nq, D) moving (1, 1, 64, D) tiles; k_desc, v_desc: over (B,
@@ -204,6 +260,8 @@ def _backward_kernel(q_desc, k_desc, v_desc, do_desc, dqa_desc, DK, DV, Lse2, De
     causal (``right`` = 0 with HAS_RIGHT); qk_scale = scale * log2(e).
     """
     tile = gl.program_id(0)
+    if ORDERED:  # the last tile first: every program waits only on programs launched before it
+        tile = gl.num_programs(0) - 1 - tile
     hkv = gl.program_id(1)
     b = gl.program_id(2)
     key0 = tile * BLOCK_N
@@ -223,44 +281,57 @@ def _backward_kernel(q_desc, k_desc, v_desc, do_desc, dqa_desc, DK, DV, Lse2, De
     q_ready, q_empty = _ring_barriers(STAGES)
     do_ready, do_empty = _ring_barriers(STAGES)
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_staged = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for parity in gl.static_range(2):
         mbarrier.init(ds_ready.index(parity), count=2)  # both halves of dS^T written
+        mbarrier.init(dq_staged.index(parity), count=1)  # a step's dQ staged in buffer parity
+        mbarrier.init(dq_free.index(parity), count=1)  # its add has read it
 
     shared = (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
-              ds_ready)
+              ds_ready, dq_staged, dq_free)
     starts = (m_start, full_start, full_end, m_end)
     gl.warp_specialize([
-        (_consumer, (DK, DV, Lse2, Delta, dqa_desc, shared, b, h_first, key0, 0, starts, n_m, Nq, Nk, right, qk_scale,
-                     scale, stride_dk, stride_dv, GROUP, HEAD_DIM, HAS_RIGHT)),
-        (_consumer, (DK, DV, Lse2, Delta, dqa_desc, shared, b, h_first, key0, 1, starts, n_m, Nq, Nk, right, qk_scale,
-                     scale, stride_dk, stride_dv, GROUP, HEAD_DIM, HAS_RIGHT)),
+        (_consumer, (DK, DV, Lse2, Delta, shared, b, h_first, tile, 0, starts, n_m, Nq, Nk, right, qk_scale, scale,
+                     stride_dk, stride_dv, GROUP, HEAD_DIM, HAS_RIGHT)),
+        (_consumer, (DK, DV, Lse2, Delta, shared, b, h_first, tile, 1, starts, n_m, Nq, Nk, right, qk_scale, scale,
+                     stride_dk, stride_dv, GROUP, HEAD_DIM, HAS_RIGHT)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, shared, b, h_first, key0, m_start, n_m, GROUP)),
-    ], [4, 1], [240, 24])
+        (_writer, (dqa_desc, Counts, shared, b, h_first, tile, m_start, n_m, Nq, Nk, right, GROUP, ORDERED)),
+    ], [4, 1, 1], [240, 24, 24])
 
 
-def serves(dtype: torch.dtype, head_dim: int, value_dim: int, pattern: Pattern, has_sinks: bool) -> bool:
-    """Whether the non-deterministic backward of calls of this kind takes this kernel on sm_90: 16-bit, D =
-    Dv in ``HEAD_DIMS``, full or causal attention, no learned sinks (their gradient needs rows of P * dP
-    summed over every key: the deterministic backward computes them)."""
-    return _full_or_causal(dtype, head_dim, value_dim, pattern, HEAD_DIMS) and not has_sinks
+def serves(dtype: torch.dtype, head_dim: int, value_dim: int, pattern: Pattern, has_sinks: bool,
+           deterministic: bool) -> bool:
+    """Whether the backward of calls of this kind takes this kernel on sm_90: 16-bit, D = Dv in ``HEAD_DIMS``,
+    full or causal attention, no learned sinks (their gradient needs rows of P * dP summed over every key: the
+    two-kernel backward computes them). A ``deterministic`` call only when causal with no more keys than
+    queries: then the programs that add into a dQ tile reach it in descending KV-tile order, two steps apart,
+    and the fixed order costs no waiting; in full attention (or the first tiles of a causal call with more keys
+    than queries) they would reach it together and queue."""
+    return (_full_or_causal(dtype, head_dim, value_dim, pattern, HEAD_DIMS) and not has_sinks
+            and (not deterministic or (pattern.right == 0 and pattern.nk <= pattern.nq)))
 
 
-def supported(q, k, v, dout, pattern: Pattern, has_sinks: bool) -> bool:
+def supported(q, k, v, dout, pattern: Pattern, has_sinks: bool, deterministic: bool) -> bool:
     """Whether this kernel serves this dense call: a ``VERIFIED`` Triton, q on an sm_90 GPU, a call of the
     kind :func:`serves`, and operands (dO included) a TMA descriptor can read."""
-    return (_on_hopper(q) and serves(q.dtype, q.shape[3], v.shape[3], pattern, has_sinks)
+    return (_on_hopper(q) and serves(q.dtype, q.shape[3], v.shape[3], pattern, has_sinks, deterministic)
             and descriptors.supported(q, k, v, dout))
 
 
-def backward(q, k, v, dout, dk, dv, dqa, lse2, delta, pattern: Pattern, scale: float) -> None:
+def backward(q, k, v, dout, dk, dv, dqa, lse2, delta, pattern: Pattern, scale: float, deterministic: bool) -> None:
     """Fill dk, dv (like k, v) and add ``scale * dS K`` into dqa (B, Hq, Nq, D) float32 contiguous, zeroed,
     for a dense call :func:`supported` accepts. q, dout: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D); lse2, delta:
     (B, Hq, Nq) float32 contiguous, the base-2 LSE and ``rowsum(dO * O) - dLSE`` (the dQ kernel's
-    statistics)."""
+    statistics). deterministic: each dQ tile's adds in descending KV-tile order (causal calls)."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
+    shape = (B, Hq, cdiv(Nq, ROWS.value)) if deterministic else (0, )
+    counts = torch.zeros(shape, dtype=torch.int32, device=q.device)  # (B, Hq, n_q_tiles): adds done per dQ tile
     _backward_kernel[(cdiv(Nk, BLOCK_N.value), Hkv, B)](
         _descriptor(q, ROWS.value), _descriptor(k, BLOCK_N.value), _descriptor(v, BLOCK_N.value),
-        _descriptor(dout, ROWS.value), _descriptor(dqa, ROWS.value), dk, dv, lse2, delta, Nq, Nk,
+        _descriptor(dout, ROWS.value), _descriptor(dqa, ROWS.value), dk, dv, lse2, delta, counts, Nq, Nk,
         max(pattern.right, 0), scale * math.log2(math.e), scale, tuple(dk.stride()[:3]), tuple(dv.stride()[:3]),
-        GROUP=Hq // Hkv, HEAD_DIM=D, HAS_RIGHT=pattern.right >= 0, num_warps=4, maxnreg=168)
+        GROUP=Hq // Hkv, HEAD_DIM=D, HAS_RIGHT=pattern.right >= 0, ORDERED=deterministic, num_warps=4,
+        maxnreg=168)
