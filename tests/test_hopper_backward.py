@@ -70,6 +70,20 @@ def test_serves_ordered_lengths(nq, nk, expected):
     assert hopper_backward.serves(torch.bfloat16, 128, 128, pattern, False, False)
 
 
+@pytest.mark.parametrize("batch,heads,group,nq,sms,expected", [
+    (2, 64, 8, 4096, 132, 1),     # GQA 8 at 4k: the whole group would be half the grid's tail
+    (8, 64, 8, 32768, 132, 8),    # long enough for the whole group
+    (2, 64, 8, 32768, 132, 4),    # the largest divisor under the bound
+    (1, 16, 1, 100, 132, 1),      # no group to split
+    (16, 48, 6, 8192, 132, 6),
+    (8, 48, 6, 8192, 132, 3),
+])
+def test_heads_per_program(batch, heads, group, nq, sms, expected, monkeypatch):
+    """The largest divisor of the group whose longest program stays under a sixteenth of an SM's share."""
+    monkeypatch.setattr(hopper_backward.schedule, "sm_count", lambda device: sms)
+    assert hopper_backward.heads_per_program(batch, heads, group, nq, "cuda") == expected
+
+
 def test_flag_changes_nothing_off_hopper():
     """On the CPU both settings run the deterministic kernels: bitwise equal gradients; a non-bool raises."""
     q, k, v = (t.requires_grad_() for t in make_qkv(1, 4, 2, 37, 29, 16, torch.float32))
@@ -119,13 +133,15 @@ def test_gpu_within_bar(D, dtype, Nq, Nk, causal, group, deterministic, monkeypa
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("N,H,group", [(4999, 16, 8), (17001, 2, 2)])
-def test_gpu_ordered_adds(N, H, group, monkeypatch):
+@pytest.mark.parametrize("N,H,group,heads", [(4999, 16, 8, 8), (4999, 16, 8, 2), (17001, 2, 2, 1)])
+def test_gpu_ordered_adds(N, H, group, heads, monkeypatch):
     """The ordered dQ: many KV tiles add into each dQ tile (4999: 40 tiles; 17001: 133 tiles, more than an
     H100 / H200 has SMs, so a tile's programs cannot all be resident at once and must not wait on one not
-    yet launched), GQA 8 and 2: within the bar, and bitwise equal over five runs."""
+    yet launched), GQA 8 walked by one program or by four (each with two heads, dK and dV summed from four
+    parts) and GQA 2 by two: within the bar, and bitwise equal over five runs."""
     calls = []
     monkeypatch.setattr(hopper_backward, "backward", lambda *a: calls.append(1) or fused(*a))
+    monkeypatch.setattr(hopper_backward, "heads_per_program", lambda *a: heads)
     D, dtype, scale = 128, torch.bfloat16, 128 ** -0.5
     q, k, v = make_qkv(1, H, H // group, N, N, D, dtype, device="cuda")
     dout = torch.randn_like(q)

@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ..pattern import Pattern, cdiv
-from . import descriptors
+from . import descriptors, schedule
 from .hopper import _descriptor, _full_or_causal, _on_hopper, _operand, _ring_barriers, _ring_load, _tma_load
 from .ranges import kv_range, q_range, visible
 
@@ -101,22 +101,22 @@ def _release_count(count, PENDING: gl.constexpr):
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, do_desc, shared, batch, h_first, key0, m_start, n_m, GROUP: gl.constexpr):
+def _producer(q_desc, k_desc, v_desc, do_desc, shared, batch, hkv, h_first, key0, m_start, n_m, HEADS: gl.constexpr):
     """One warp: K and V, then Q and dO of every step into slot ``step % STAGES`` of their rings. Step ``it``
     is query head ``h_first + it // n_m``, Q tile ``m_start + it % n_m``."""
     (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
      ds_ready, dq_staged, dq_free) = shared
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    _tma_load(k_desc, [batch, h_first // GROUP, key0, 0], kv_ready, k_smem)
-    _tma_load(v_desc, [batch, h_first // GROUP, key0, 0], kv_ready, v_smem)
-    for it in range(GROUP * n_m):
+    _tma_load(k_desc, [batch, hkv, key0, 0], kv_ready, k_smem)
+    _tma_load(v_desc, [batch, hkv, key0, 0], kv_ready, v_smem)
+    for it in range(HEADS * n_m):
         coord = [batch, h_first + it // n_m, (m_start + it % n_m) * ROWS, 0]
         _ring_load(q_desc, coord, q_smem, q_ready, q_empty, it)
         _ring_load(do_desc, coord, do_smem, do_ready, do_empty, it)
 
 
 @gluon.jit
-def _writer(dqa_desc, Counts, shared, batch, h_first, tile, m_start, n_m, Nq, Nk, right, GROUP: gl.constexpr,
+def _writer(dqa_desc, Counts, shared, batch, h_first, tile, m_start, n_m, Nq, Nk, right, HEADS: gl.constexpr,
             ORDERED: gl.constexpr):
     """One warp: adds each step's dQ tile, staged by the warpgroup whose turn it was (step ``it``: buffer
     ``it % 2``), into the float32 accumulator by the copy engine's reduce-add, and frees the buffer once the
@@ -128,20 +128,20 @@ def _writer(dqa_desc, Counts, shared, batch, h_first, tile, m_start, n_m, Nq, Nk
      ds_ready, dq_staged, dq_free) = shared
     n_q_tiles = gl.cdiv(Nq, ROWS)
     count = Counts
-    for it in range(GROUP * n_m):
+    for it in range(HEADS * n_m):
         h = h_first + it // n_m
         m = m_start + it % n_m
         mbarrier.wait(dq_staged.index(it % 2), (it // 2) & 1)
         if ORDERED:
             done = count
-            count = Counts + (batch * gl.num_programs(1) * GROUP + h) * n_q_tiles + m
+            count = Counts + (batch * gl.num_programs(1) * HEADS + h) * n_q_tiles + m
             _wait_count(count, (_last_tile(m, Nq, Nk, right) - tile) * WRITER)
         _tma_add(dqa_desc, [batch, h, m * ROWS, 0], dq_smem.index(it % 2))  # rows past Nq are clipped
         if ORDERED and it > 0:
             _release_count(done, 1)
         tma.store_wait(0)
         mbarrier.arrive(dq_free.index(it % 2), count=1)
-    if ORDERED and GROUP * n_m > 0:
+    if ORDERED and HEADS * n_m > 0:
         _release_count(count, 0)
 
 
@@ -208,10 +208,11 @@ def _steps(k, v, k_other, shared, dk, dv, lo, hi, it0, half, keys, s_zero, dq_ze
 
 
 @gluon.jit
-def _consumer(DK, DV, Lse2, Delta, shared, b, h_first, tile, half, starts, n_m, Nq, Nk, right, qk_scale, scale,
-              stride_dk, stride_dv, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HAS_RIGHT: gl.constexpr):
+def _consumer(DK, DV, Lse2, Delta, shared, b, hkv, part, h_first, tile, half, starts, n_m, Nq, Nk, right, qk_scale,
+              scale, stride_dk, stride_dv, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, HAS_RIGHT: gl.constexpr):
     """One warpgroup: keys ``tile * 128 + half * 64 ...`` of the tile, from K and V in shared memory to their
-    rows of DK and DV. starts: ``(m_start, full_start, full_end, m_end)`` of :func:`q_range`."""
+    rows of DK and DV (of part ``part``). starts: ``(m_start, full_start, full_end, m_end)`` of
+    :func:`q_range`."""
     (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
      ds_ready, dq_staged, dq_free) = shared
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -228,9 +229,9 @@ def _consumer(DK, DV, Lse2, Delta, shared, b, h_first, tile, half, starts, n_m, 
     key0 = tile * BLOCK_N
     keys = key0 + half * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (64,)
     mbarrier.wait(kv_ready, 0)
-    for g in range(GROUP):
+    for g in range(HEADS):
         h = h_first + g
-        row_base = (b * gl.num_programs(1) * GROUP + h) * Nq  # (B, Hq, Nq) row 0 of head h
+        row_base = (b * gl.num_programs(1) * HEADS + h) * Nq  # (B, Hq, Nq) row 0 of head h
         it = g * n_m
         for segment in gl.static_range(3):  # masked edge, unmasked interior, masked edge
             lo = starts[segment]
@@ -239,35 +240,39 @@ def _consumer(DK, DV, Lse2, Delta, shared, b, h_first, tile, half, starts, n_m, 
                             Lse2, Delta, qk_scale, scale, row_base, Nq, Nk, right, HAS_RIGHT, segment != 1)
     key_rows = key0 + half * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))  # (64,)
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))                      # (D,)
-    hkv = h_first // GROUP
     ok = (key_rows < Nk)[:, None]
-    dk_rows = b.to(gl.int64) * stride_dk[0] + hkv * stride_dk[1] + key_rows.to(gl.int64) * stride_dk[2]
+    dk_rows = (part * stride_dk[0] + b.to(gl.int64) * stride_dk[1] + hkv * stride_dk[2]
+               + key_rows.to(gl.int64) * stride_dk[3])
     gl.store(DK + dk_rows[:, None] + cols[None, :], (dk * scale).to(DK.dtype.element_ty), mask=ok)
-    dv_rows = b.to(gl.int64) * stride_dv[0] + hkv * stride_dv[1] + key_rows.to(gl.int64) * stride_dv[2]
+    dv_rows = (part * stride_dv[0] + b.to(gl.int64) * stride_dv[1] + hkv * stride_dv[2]
+               + key_rows.to(gl.int64) * stride_dv[3])
     gl.store(DV + dv_rows[:, None] + cols[None, :], dv.to(DV.dtype.element_ty), mask=ok)
 
 
 @gluon.jit(do_not_specialize=["Nq", "Nk", "right"])
 def _backward_kernel(q_desc, k_desc, v_desc, do_desc, dqa_desc, DK, DV, Lse2, Delta, Counts, Nq, Nk, right,
-                     qk_scale, scale, stride_dk, stride_dv, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     HAS_RIGHT: gl.constexpr, ORDERED: gl.constexpr):
-    """Grid ``(cdiv(Nk, 128), Hkv, B)``: dK, dV of one 128-key tile of one kv head, and its share of dQ.
+                     qk_scale, scale, stride_dk, stride_dv, GROUP: gl.constexpr, HEADS: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, HAS_RIGHT: gl.constexpr, ORDERED: gl.constexpr):
+    """Grid ``(cdiv(Nk, 128), Hq // HEADS, B)``: one 128-key tile of one kv head against HEADS of its GROUP
+    query heads: their share of the tile's dK, dV and of dQ.
 
     q_desc, do_desc: descriptors over (B, Hq, Nq, D) moving (1, 1, 64, D) tiles; k_desc, v_desc: over (B,
-    Hkv, Nk, D) moving (1, 1, 128, D). DK, DV: (B, Hkv, Nk, D) with (batch, head, row) strides
-    ``stride_dk``, ``stride_dv``; Lse2 (base-2 LSE), Delta: (B, Hq, Nq) float32 contiguous; dqa_desc: over
+    Hkv, Nk, D) moving (1, 1, 128, D). DK, DV: (GROUP // HEADS, B, Hkv, Nk, D), one part per program of a
+    group, with (part, batch, head, row) strides ``stride_dk``, ``stride_dv`` (part stride 0 when one program
+    takes the whole group); Lse2 (base-2 LSE), Delta: (B, Hq, Nq) float32 contiguous; dqa_desc: over
     (B, Hq, Nq, D) float32, zeroed, moving (1, 1, 64, D) tiles: receives ``scale * dS K``. Full attention, or
     causal (``right`` = 0 with HAS_RIGHT); qk_scale = scale * log2(e).
     """
     tile = gl.program_id(0)
     if ORDERED:  # the last tile first: every program waits only on programs launched before it
         tile = gl.num_programs(0) - 1 - tile
-    hkv = gl.program_id(1)
+    h_first = gl.program_id(1) * HEADS
+    hkv = h_first // GROUP
+    part = (h_first % GROUP) // HEADS
     b = gl.program_id(2)
     key0 = tile * BLOCK_N
     m_start, full_start, full_end, m_end = q_range(key0, Nq, Nk, 0, right, 0, ROWS, BLOCK_N, False, HAS_RIGHT)
     n_m = m_end - m_start
-    h_first = hkv * GROUP
 
     k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
@@ -292,12 +297,12 @@ def _backward_kernel(q_desc, k_desc, v_desc, do_desc, dqa_desc, DK, DV, Lse2, De
               ds_ready, dq_staged, dq_free)
     starts = (m_start, full_start, full_end, m_end)
     gl.warp_specialize([
-        (_consumer, (DK, DV, Lse2, Delta, shared, b, h_first, tile, 0, starts, n_m, Nq, Nk, right, qk_scale, scale,
-                     stride_dk, stride_dv, GROUP, HEAD_DIM, HAS_RIGHT)),
-        (_consumer, (DK, DV, Lse2, Delta, shared, b, h_first, tile, 1, starts, n_m, Nq, Nk, right, qk_scale, scale,
-                     stride_dk, stride_dv, GROUP, HEAD_DIM, HAS_RIGHT)),
-        (_producer, (q_desc, k_desc, v_desc, do_desc, shared, b, h_first, key0, m_start, n_m, GROUP)),
-        (_writer, (dqa_desc, Counts, shared, b, h_first, tile, m_start, n_m, Nq, Nk, right, GROUP, ORDERED)),
+        (_consumer, (DK, DV, Lse2, Delta, shared, b, hkv, part, h_first, tile, 0, starts, n_m, Nq, Nk, right,
+                     qk_scale, scale, stride_dk, stride_dv, HEADS, HEAD_DIM, HAS_RIGHT)),
+        (_consumer, (DK, DV, Lse2, Delta, shared, b, hkv, part, h_first, tile, 1, starts, n_m, Nq, Nk, right,
+                     qk_scale, scale, stride_dk, stride_dv, HEADS, HEAD_DIM, HAS_RIGHT)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, shared, b, hkv, h_first, key0, m_start, n_m, HEADS)),
+        (_writer, (dqa_desc, Counts, shared, b, h_first, tile, m_start, n_m, Nq, Nk, right, HEADS, ORDERED)),
     ], [4, 1, 1], [240, 24, 24])
 
 
@@ -320,6 +325,16 @@ def supported(q, k, v, dout, pattern: Pattern, has_sinks: bool, deterministic: b
             and descriptors.supported(q, k, v, dout))
 
 
+def heads_per_program(batch: int, heads: int, group: int, nq: int, device) -> int:
+    """Query heads of a GQA group that one program walks: the whole group unless its longest program (the
+    first KV tile's, every Q tile of every head) would outlast a sixteenth of an SM's share of the work,
+    where the grid's tail starts to show (a causal call's programs run ``heads x (n_q_tiles - 2 tile)``
+    steps; NOTES, 'Ordered dQ adds'). Then the largest divisor of the group under that bound; the parts'
+    dK, dV are summed in float32 after the kernel."""
+    share = batch * heads * cdiv(nq, ROWS.value) / (64 * schedule.sm_count(device))  # 16 x longest <= total / SMs
+    return max(h for h in range(1, group + 1) if group % h == 0 and (h <= share or h == 1))
+
+
 def backward(q, k, v, dout, dk, dv, dqa, lse2, delta, pattern: Pattern, scale: float, deterministic: bool) -> None:
     """Fill dk, dv (like k, v) and add ``scale * dS K`` into dqa (B, Hq, Nq, D) float32 contiguous, zeroed,
     for a dense call :func:`supported` accepts. q, dout: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D); lse2, delta:
@@ -327,11 +342,20 @@ def backward(q, k, v, dout, dk, dv, dqa, lse2, delta, pattern: Pattern, scale: f
     statistics). deterministic: each dQ tile's adds in descending KV-tile order (causal calls)."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    heads = heads_per_program(B, Hq, group, Nq, q.device)
+    if heads < group:  # (parts, B, Hkv, Nk, D) float32 partial sums
+        pk, pv = (torch.empty((group // heads, B, Hkv, Nk, D), dtype=torch.float32, device=q.device) for _ in "kv")
+    else:
+        pk, pv = dk[None], dv[None]
     shape = (B, Hq, cdiv(Nq, ROWS.value)) if deterministic else (0, )
     counts = torch.zeros(shape, dtype=torch.int32, device=q.device)  # (B, Hq, n_q_tiles): adds done per dQ tile
-    _backward_kernel[(cdiv(Nk, BLOCK_N.value), Hkv, B)](
+    _backward_kernel[(cdiv(Nk, BLOCK_N.value), Hq // heads, B)](
         _descriptor(q, ROWS.value), _descriptor(k, BLOCK_N.value), _descriptor(v, BLOCK_N.value),
-        _descriptor(dout, ROWS.value), _descriptor(dqa, ROWS.value), dk, dv, lse2, delta, counts, Nq, Nk,
-        max(pattern.right, 0), scale * math.log2(math.e), scale, tuple(dk.stride()[:3]), tuple(dv.stride()[:3]),
-        GROUP=Hq // Hkv, HEAD_DIM=D, HAS_RIGHT=pattern.right >= 0, ORDERED=deterministic, num_warps=4,
+        _descriptor(dout, ROWS.value), _descriptor(dqa, ROWS.value), pk, pv, lse2, delta, counts, Nq, Nk,
+        max(pattern.right, 0), scale * math.log2(math.e), scale, tuple(pk.stride()[:4]), tuple(pv.stride()[:4]),
+        GROUP=group, HEADS=heads, HEAD_DIM=D, HAS_RIGHT=pattern.right >= 0, ORDERED=deterministic, num_warps=4,
         maxnreg=168)
+    if heads < group:
+        dk.copy_(pk.sum(dim=0))
+        dv.copy_(pv.sum(dim=0))
