@@ -70,18 +70,20 @@ def test_serves_ordered_lengths(nq, nk, expected):
     assert hopper_backward.serves(torch.bfloat16, 128, 128, pattern, False, False)
 
 
-@pytest.mark.parametrize("batch,heads,group,nq,sms,expected", [
-    (2, 64, 8, 4096, 132, 1),     # GQA 8 at 4k: the whole group would be half the grid's tail
-    (8, 64, 8, 32768, 132, 8),    # long enough for the whole group
-    (2, 64, 8, 32768, 132, 4),    # the largest divisor under the bound
-    (1, 16, 1, 100, 132, 1),      # no group to split
-    (16, 48, 6, 8192, 132, 6),
-    (8, 48, 6, 8192, 132, 3),
+@pytest.mark.parametrize("batch,heads,group,nq,causal,expected", [
+    (2, 64, 8, 4096, True, 2),     # GQA 8 at 4k: the whole group would leave a tail of half the grid
+    (1, 64, 8, 4096, True, 1),
+    (4, 64, 8, 4096, True, 4),     # the largest divisor under the bound
+    (8, 64, 8, 32768, True, 8),    # long enough for the whole group
+    (2, 48, 6, 8192, True, 3),
+    (1, 16, 1, 100, True, 1),      # no group to split
+    (1, 64, 8, 4096, False, 8),    # full attention: programs alike
 ])
-def test_heads_per_program(batch, heads, group, nq, sms, expected, monkeypatch):
-    """The largest divisor of the group whose longest program stays under a sixteenth of an SM's share."""
-    monkeypatch.setattr(hopper_backward.schedule, "sm_count", lambda device: sms)
-    assert hopper_backward.heads_per_program(batch, heads, group, nq, "cuda") == expected
+def test_heads_per_program(batch, heads, group, nq, causal, expected, monkeypatch):
+    """The largest divisor of the group whose longest program stays under a quarter of an SM's share (132
+    SMs), the whole group for full attention."""
+    monkeypatch.setattr(hopper_backward.schedule, "sm_count", lambda device: 132)
+    assert hopper_backward.heads_per_program(batch, heads, group, nq, causal, "cuda") == expected
 
 
 def test_flag_changes_nothing_off_hopper():

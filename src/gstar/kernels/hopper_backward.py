@@ -325,14 +325,16 @@ def supported(q, k, v, dout, pattern: Pattern, has_sinks: bool, deterministic: b
             and descriptors.supported(q, k, v, dout))
 
 
-def heads_per_program(batch: int, heads: int, group: int, nq: int, device) -> int:
-    """Query heads of a GQA group that one program walks: the whole group unless its longest program (the
-    first KV tile's, every Q tile of every head) would outlast a sixteenth of an SM's share of the work,
-    where the grid's tail starts to show (a causal call's programs run ``heads x (n_q_tiles - 2 tile)``
-    steps; NOTES, 'Ordered dQ adds'). Then the largest divisor of the group under that bound; the parts'
-    dK, dV are summed in float32 after the kernel."""
-    share = batch * heads * cdiv(nq, ROWS.value) / (64 * schedule.sm_count(device))  # 16 x longest <= total / SMs
-    return max(h for h in range(1, group + 1) if group % h == 0 and (h <= share or h == 1))
+def heads_per_program(batch: int, heads: int, group: int, nq: int, causal: bool, device) -> int:
+    """Query heads of a GQA group that one program walks. A causal call's programs run ``heads x (n_q_tiles -
+    2 tile)`` steps: the first KV tile's is the longest, and where it would outlast a quarter of an SM's share
+    of the work its end leaves a tail, so the group is split over programs of the largest divisor of it under
+    that bound (their dK, dV summed in float32 after the kernel); full attention's programs are all alike and
+    walk the whole group (NOTES, 'Ordered dQ adds')."""
+    if not causal:
+        return group
+    bound = batch * heads * cdiv(nq, ROWS.value) / (16 * schedule.sm_count(device))  # 4 x longest <= share
+    return max(h for h in range(1, group + 1) if group % h == 0 and (h <= bound or h == 1))
 
 
 def backward(q, k, v, dout, dk, dv, dqa, lse2, delta, pattern: Pattern, scale: float, deterministic: bool) -> None:
@@ -343,7 +345,7 @@ def backward(q, k, v, dout, dk, dv, dqa, lse2, delta, pattern: Pattern, scale: f
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     group = Hq // Hkv
-    heads = heads_per_program(B, Hq, group, Nq, q.device)
+    heads = heads_per_program(B, Hq, group, Nq, pattern.right >= 0, q.device)
     if heads < group:  # (parts, B, Hkv, Nk, D) float32 partial sums
         pk, pv = (torch.empty((group // heads, B, Hkv, Nk, D), dtype=torch.float32, device=q.device) for _ in "kv")
     else:
