@@ -207,11 +207,12 @@ def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
             takes its kv head's ``q_descale``. Default 1. :func:`gstar.quantize_fp8` makes them
             (:mod:`gstar.fp8` says how the kernel uses them).
         out_dtype: the output's dtype for FP8 inputs (bfloat16, float16 or float32; default bfloat16).
-        deterministic: the backward's gradients are bitwise reproducible from run to run (the default).
-            ``False`` lets an H100 / H200 take its fused backward where it serves the call (16-bit, head dim
-            128 for q, k and v, full or causal, no learned sinks): five matmuls per tile pair instead of seven,
-            dQ added up across key tiles in float32 by the copy engine, so its last bits vary between runs
-            (within the same accuracy bar). Everywhere else it changes nothing.
+        deterministic: the backward's gradients are bitwise reproducible from run to run (the default). An
+            H100 / H200 runs a fused backward for 16-bit calls at head dim 128 (q, k and v) without learned
+            sinks: five matmuls per tile pair instead of seven, dQ added up across key tiles in float32 by the
+            copy engine. By default it takes causal calls (no more keys than queries) and adds each dQ tile
+            in a fixed order; ``False`` lets it take full attention too, in any order, so dQ's last bits vary
+            between runs (within the same accuracy bar). Everywhere else the flag changes nothing.
 
     Nq = 3, Nk = 5, ``causal=True`` (``1`` = visible), and with ``window=(1, 0), sink_tokens=1``::
 

@@ -49,7 +49,7 @@ class Options(NamedTuple):
     pattern: Pattern                         # the rule; when packed, nq and nk are the longest sequences
     scale: float
     backend: str                             # "triton" or "torch"
-    deterministic: bool = True               # False: the backward may add dQ up with atomics (sm_90)
+    deterministic: bool = True               # False: the backward may add dQ up in any order (sm_90)
 
 
 # The operators' schema is flat (it takes no tuples): the fields of Inputs, then those of the pattern, the

@@ -161,7 +161,7 @@ class GstarPrefill(Gstar):
 
 
 class GstarNondeterministic(Gstar):
-    """``gstar.flash_attention(deterministic=False)``: its backward may add dQ up with atomics (on an H100 / H200,
+    """``gstar.flash_attention(deterministic=False)``: its backward may add dQ up in any order (on an H100 / H200,
     where the fused backward serves the case); the forward is gstar's own, so only passes with a backward
     get a row."""
 

@@ -3,7 +3,7 @@
 Suites (docs/design.md section 5): ``gpt-oss``, ``long``, ``fa``, ``mla``, ``stages``, ``varlen``, ``all``,
 ``decode``; or one custom case per ``--seqlen`` from the shape flags. Implementations: gstar, eager (Hugging
 Face GPT-OSS style), SDPA flash and cuDNN, compiled FlexAttention, and FlashAttention-4 / fla when importable;
-with a backward, also gstar with ``deterministic=False`` (``gstar-nondet``: dQ added up with atomics where the
+with a backward, also gstar with ``deterministic=False`` (``gstar-nondet``: dQ added up in any order where the
 Hopper backward serves the case); the ``varlen`` suite compares gstar on packed documents with gstar on the
 same documents padded into a batch;
 the ``decode`` suite (forward only) times decode steps against a cache, gstar's kvcache entry point beside its

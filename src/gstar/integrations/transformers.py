@@ -6,9 +6,10 @@ Importing this module registers it (see :func:`register`); then::
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="gstar")   # or
     model.set_attn_implementation("gstar")
 
-``"gstar_nondeterministic"`` is the same with ``deterministic=False``: on an H100 / H200 the backward of full and
-causal layers at head dim 128 (Llama, Qwen) then takes the fused kernel that adds dQ up with atomics (faster;
-dQ's last bits vary from run to run); everywhere else the two names compute the same. A model call may also
+``"gstar_nondeterministic"`` is the same with ``deterministic=False``: on an H100 / H200 the backward of layers at
+head dim 128 (Llama, Qwen) then takes the fused kernel adding dQ up in any order (full layers too; dQ's last
+bits vary from run to run), where ``"gstar"`` takes it only for causal layers, its adds in a fixed order;
+everywhere else the two names compute the same. A model call may also
 pass ``deterministic=True / False`` itself (as transformers' flash-attention integration reads it).
 
 Any decoder whose attention is causal + GQA + optional sliding window + optional learned sinks runs exactly:

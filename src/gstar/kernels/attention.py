@@ -233,14 +233,15 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
         cu_seqlens: ``(cu_q, cu_k)`` for packed sequences, as in
             :func:`attention_forward` (B = 1, the sequence axis is total_q / total_k,
             ``pattern`` holds the longest lengths). The dK/dV work is never split then.
-        deterministic: ``False`` lets sm_90 take :mod:`.hopper_backward` where it serves the call (dQ added
-            up with atomics: five products per tile pair instead of seven, dQ's last bits vary from run to
-            run); elsewhere the flag changes nothing.
+        deterministic: sm_90 takes :mod:`.hopper_backward` (five products per tile pair instead of seven)
+            for the calls it serves: with the flag (the default) causal ones, each dQ tile's adds in a fixed
+            order; without it full attention too, dQ's adds in any order (its last bits vary from run to run).
+            Elsewhere the flag changes nothing.
 
     Returns ``(dq, dk, dv, dsinks)``: dq like q, dk like k, dv like v (dtype and memory layout; packed:
     heads-first views of contiguous packed tensors), dsinks
     ``(Hq,)`` float32 or ``None``. With ``deterministic`` (the default) bitwise reproducible on one device
-    (the split depends on its SM count): no atomics, fixed loop and summation order.
+    (the split depends on its SM count): fixed loop and summation order.
     """
     B, Hq, Nq, _ = q.shape
     varlen = cu_seqlens is not None

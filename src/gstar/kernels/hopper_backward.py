@@ -1,12 +1,11 @@
 """The Hopper (sm_90) backward kernel, warp-specialised, in Gluon: dK, dV and dQ from one pass over the
 (KV tile, Q tile) pairs, dQ added up across KV tiles in float32 by the copy engine's reduce-add
-(FlashAttention-3's schedule). Five products per pair where the deterministic two-kernel backward
-(:mod:`.backward`) spends seven; the price is that the order of dQ's additions, hence its last bits, changes
-from run to run, so this kernel only serves calls that ask for ``deterministic=False`` (docs/hopper.md
-draws it).
+(FlashAttention-3's schedule). Five products per pair where the two-kernel backward (:mod:`.backward`) spends
+seven. Causal calls take it by default with each dQ tile's adds in a fixed order (bitwise reproducible);
+``deterministic=False`` drops the order and lets full attention in (docs/hopper.md draws it).
 
-A program owns a 128-key tile of one kv head (of one batch row) and walks the query heads of its GQA group
-and, for each, the 64-row Q tiles that see the tile (:func:`gstar.kernels.ranges.q_range`: masked edges,
+A program owns a 128-key tile of one kv head (of one batch row) and walks ``HEADS`` query heads of its GQA
+group and, for each, the 64-row Q tiles that see the tile (:func:`gstar.kernels.ranges.q_range`: masked edges,
 unmasked interior). One producer warp copies K and V once, then each step's Q and dO tiles into rings of
 ``STAGES`` slots (TMA), each copy completing on its slot's ``ready`` barrier. Each of two consumer
 warpgroups owns 64 of the tile's keys and keeps their dK, dV accumulators in registers; per step it
@@ -18,16 +17,23 @@ warpgroups owns 64 of the tile's keys and keeps their dK, dV accumulators in reg
 
 dQ of a step needs both halves, so one warpgroup computes it, the two taking turns (even steps the first,
 odd steps the second): it starts ``dS K`` over its own 64 keys, waits at ``ds_ready`` for the other half,
-finishes over the other 64 keys, writes the (64, D) float32 result to shared memory and hands it to the copy
-engine, which adds it into the dQ accumulator while the kernel goes on (``tma.store_wait`` before the
-staging tile is reused). Meanwhile the other warpgroup has moved on to the next step's products, so the
-tensor cores stay busy; a symmetric split (each warpgroup half of dQ's columns every step) keeps both in
-lockstep and was slower (benchmarks/NOTES.md, 'Fused backward with atomic dQ'). The dS tile is
-double-buffered by step parity: the barrier a warpgroup waits at tells it that the other has finished
-reading the tile it is about to overwrite.
+finishes over the other 64 keys and writes the (64, D) float32 result into its staging tile (``dq_staged``).
+A writer warp hands the tile to the copy engine, which adds it into the dQ accumulator, and frees it once read
+(``dq_free``); the add's latency stays in the writer, and the other warpgroup has meanwhile moved on to the
+next step's products, so the tensor cores stay busy. A symmetric split (each warpgroup half of dQ's columns
+every step) keeps both in lockstep and was slower (benchmarks/NOTES.md, 'Fused backward with atomic dQ'). The
+dS tile is double-buffered by step parity: the barrier a warpgroup waits at tells it that the other has
+finished reading the tile it is about to overwrite.
+
+Ordered adds (``ORDERED``): the writer of KV tile j adds into a dQ tile once the count of adds done to it
+(an int32 per (batch, head, Q tile)) shows every later KV tile's, and counts its own once complete. In a causal
+call with no more keys than queries the program of tile j + 1 reaches each Q tile at least two steps before
+tile j's, so the count is there in time; the grid launches the last tile first, so a program waits only on
+programs launched before it and the order cannot deadlock (NOTES, 'Ordered dQ adds').
 
 The host (:func:`backward`) runs the portable dQ kernel's row statistics first (delta and the base-2 LSE),
-zeroes the accumulator, launches this kernel, and casts the accumulator into dQ.
+zeroes the accumulator, launches this kernel, sums dK, dV over the group's parts when the group is split
+(:func:`heads_per_program`), and casts the accumulator into dQ.
 """
 
 from __future__ import annotations
