@@ -331,7 +331,7 @@ def supported(q, k, v, dout, pattern: Pattern, has_sinks: bool, deterministic: b
             and descriptors.supported(q, k, v, dout))
 
 
-def heads_per_program(batch: int, heads: int, group: int, nq: int, causal: bool, device) -> int:
+def heads_per_program(batch: int, heads: int, group: int, nq: int, causal: bool, device: str) -> int:
     """Query heads of a GQA group that one program walks. A causal call's programs run ``heads x (n_q_tiles -
     2 tile)`` steps: the first KV tile's is the longest, and where it would outlast a quarter of an SM's share
     of the work its end leaves a tail, so the group is split over programs of the largest divisor of it under
@@ -351,7 +351,7 @@ def backward(q, k, v, dout, dk, dv, dqa, lse2, delta, pattern: Pattern, scale: f
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     group = Hq // Hkv
-    heads = heads_per_program(B, Hq, group, Nq, pattern.right >= 0, q.device)
+    heads = heads_per_program(B, Hq, group, Nq, pattern.right >= 0, str(q.device))
     if heads < group:  # (parts, B, Hkv, Nk, D) float32 partial sums
         pk, pv = (torch.empty((group // heads, B, Hkv, Nk, D), dtype=torch.float32, device=q.device) for _ in "kv")
     else:
