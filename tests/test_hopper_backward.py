@@ -86,6 +86,32 @@ def test_heads_per_program(batch, heads, group, nq, causal, expected, monkeypatc
     assert hopper_backward.heads_per_program(batch, heads, group, nq, causal, "cuda") == expected
 
 
+@pytest.mark.parametrize("B,Hkv,Nk,parts,dtype", [(2, 3, 300, 4, torch.float16), (1, 2, 128, 2, torch.float32),
+                                                    (1, 1, 129, 1, torch.float16)])
+def test_sum_parts(B, Hkv, Nk, parts, dtype):
+    """The split group's dK, dV: what the kernel's programs store through :func:`_partials`' strides (part p,
+    batch, head, row) is what :func:`_sum_parts` adds up, part by part in order, rows past Nk left out; one
+    part stores into dk, dv themselves. Run with the Triton interpreter on the CPU."""
+    D, n_tiles = 128, -(-Nk // 128)
+    dk, dv = (torch.full((B, Hkv, Nk, D), float("nan"), dtype=dtype) for _ in "kv")
+    pk, pv, stride_pk, stride_pv = hopper_backward._partials(dk, dv, parts, n_tiles)
+    if parts == 1:
+        assert pk is dk and pv is dv and stride_pk == (0, *dk.stride()[:3])
+        return
+    sums = []
+    for p, stride in ((pk, stride_pk), (pv, stride_pv)):
+        p.fill_(float("nan"))  # rows past Nk stay unwritten, as the kernel leaves them
+        values = torch.randn(parts, B, Hkv, Nk, D)
+        torch.as_strided(p, values.shape, (*stride, 1)).copy_(values)  # the kernel's stores
+        total = values[0].clone()
+        for part in values[1:]:
+            total += part
+        sums.append(total.to(dtype))
+    pattern = Pattern.make(2 * Nk, Nk, causal=True)
+    hopper_backward._sum_parts(pk, pv, dk, dv, pattern, group=2 * parts, parts=parts)
+    assert torch.equal(dk, sums[0]) and torch.equal(dv, sums[1])
+
+
 def test_flag_changes_nothing_off_hopper():
     """On the CPU both settings run the deterministic kernels: bitwise equal gradients; a non-bool raises."""
     q, k, v = (t.requires_grad_() for t in make_qkv(1, 4, 2, 37, 29, 16, torch.float32))

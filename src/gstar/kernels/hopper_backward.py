@@ -33,7 +33,8 @@ programs launched before it and the order cannot deadlock (NOTES, 'Ordered dQ ad
 
 The host (:func:`backward`) runs the portable dQ kernel's row statistics first (delta and the base-2 LSE),
 zeroes the accumulator, launches this kernel, sums dK, dV over the group's parts when the group is split
-(:func:`heads_per_program`), and casts the accumulator into dQ.
+(:func:`heads_per_program`; the two-kernel backward's fixed-order partial sum), and casts the accumulator
+into dQ.
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..pattern import Pattern, cdiv
 from . import descriptors, schedule
+from .backward import _sum_partials
 from .hopper import _descriptor, _full_or_causal, _on_hopper, _operand, _ring_barriers, _ring_load, _tma_load
+from .launch import constexprs, launch
 from .ranges import kv_range, q_range, visible
 
 ROWS = gl.constexpr(64)  # queries per step, and keys per consumer warpgroup: wgmma's M
@@ -335,8 +338,8 @@ def heads_per_program(batch: int, heads: int, group: int, nq: int, causal: bool,
     """Query heads of a GQA group that one program walks. A causal call's programs run ``heads x (n_q_tiles -
     2 tile)`` steps: the first KV tile's is the longest, and where it would outlast a quarter of an SM's share
     of the work its end leaves a tail, so the group is split over programs of the largest divisor of it under
-    that bound (their dK, dV summed in float32 after the kernel); full attention's programs are all alike and
-    walk the whole group (NOTES, 'Ordered dQ adds')."""
+    that bound (their dK, dV summed in float32 by :func:`_sum_parts`); full attention's programs are all
+    alike and walk the whole group (NOTES, 'Ordered dQ adds')."""
     if not causal:
         return group
     bound = batch * heads * cdiv(nq, ROWS.value) / (16 * schedule.sm_count(device))  # 4 x longest <= share
@@ -351,19 +354,40 @@ def backward(q, k, v, dout, dk, dv, dqa, lse2, delta, pattern: Pattern, scale: f
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     group = Hq // Hkv
-    heads = heads_per_program(B, Hq, group, Nq, pattern.right >= 0, str(q.device))
-    if heads < group:  # (parts, B, Hkv, Nk, D) float32 partial sums
-        pk, pv = (torch.empty((group // heads, B, Hkv, Nk, D), dtype=torch.float32, device=q.device) for _ in "kv")
-    else:
-        pk, pv = dk[None], dv[None]
+    n_tiles = cdiv(Nk, BLOCK_N.value)
+    parts = group // heads_per_program(B, Hq, group, Nq, pattern.right >= 0, str(q.device))
+    pk, pv, stride_pk, stride_pv = _partials(dk, dv, parts, n_tiles)
     shape = (B, Hq, cdiv(Nq, ROWS.value)) if deterministic else (0, )
     counts = torch.zeros(shape, dtype=torch.int32, device=q.device)  # (B, Hq, n_q_tiles): adds done per dQ tile
-    _backward_kernel[(cdiv(Nk, BLOCK_N.value), Hq // heads, B)](
+    _backward_kernel[(n_tiles, Hq // (group // parts), B)](
         _descriptor(q, ROWS.value), _descriptor(k, BLOCK_N.value), _descriptor(v, BLOCK_N.value),
         _descriptor(dout, ROWS.value), _descriptor(dqa, ROWS.value), pk, pv, lse2, delta, counts, Nq, Nk,
-        max(pattern.right, 0), scale * math.log2(math.e), scale, tuple(pk.stride()[:4]), tuple(pv.stride()[:4]),
-        GROUP=group, HEADS=heads, HEAD_DIM=D, HAS_RIGHT=pattern.right >= 0, ORDERED=deterministic, num_warps=4,
-        maxnreg=168)
-    if heads < group:
-        dk.copy_(pk.sum(dim=0))
-        dv.copy_(pv.sum(dim=0))
+        max(pattern.right, 0), scale * math.log2(math.e), scale, stride_pk, stride_pv,
+        GROUP=group, HEADS=group // parts, HEAD_DIM=D, HAS_RIGHT=pattern.right >= 0, ORDERED=deterministic,
+        num_warps=4, maxnreg=168)
+    if parts > 1:
+        _sum_parts(pk, pv, dk, dv, pattern, group, parts)
+
+
+def _partials(dk, dv, parts: int, n_tiles: int):
+    """Where the kernel's programs store dK, dV: ``(pk, pv, stride_pk, stride_pv)``, the strides (part, batch,
+    head, row). One part: dk, dv themselves. Several: float32 partials in ``backward._sum_partials``' layout,
+    (B, Hkv, parts, n_tiles items of 128 keys, D), one item per KV tile."""
+    if parts == 1:
+        return dk, dv, (0, *dk.stride()[:3]), (0, *dv.stride()[:3])
+    B, Hkv, _, D = dk.shape
+    pk, pv = (torch.empty((B, Hkv, parts, n_tiles * BLOCK_N.value, D), dtype=torch.float32, device=dk.device)
+              for _ in "kv")
+    return pk, pv, *((p.stride(2), p.stride(0), p.stride(1), p.stride(3)) for p in (pk, pv))
+
+
+def _sum_parts(pk, pv, dk, dv, pattern: Pattern, group: int, parts: int) -> None:
+    """dk, dv = the sums of their parts (:func:`_partials`), part by part in a fixed order: the split two-kernel
+    backward's sum, its items the KV tiles (the scheduler's plan with whole Q ranges gives one per tile)."""
+    B, Hkv, Nk, D = dk.shape
+    n_tiles = cdiv(Nk, BLOCK_N.value)
+    _, _, first = schedule.split_plan(pattern, ROWS.value, BLOCK_N.value, group, B * Hkv, dk.device,
+                                      head_splits=parts, q_chunk=cdiv(pattern.nq, ROWS.value))  # (n_tiles + 1,)
+    launch(_sum_partials, (n_tiles, Hkv, B), (pk, pv, dk, dv, first),
+           (tuple(dk.stride()[:3]), tuple(dv.stride()[:3]), Hkv, Nk, parts, n_tiles),
+           constexprs(BLOCK_N=BLOCK_N.value, HEAD_DIM=D, VALUE_DIM=D, num_warps=4))
