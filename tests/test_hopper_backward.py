@@ -1,6 +1,6 @@
 """The fused Hopper backward (gstar.kernels.hopper_backward): one pass for dK, dV and dQ, dQ added up by the
-copy engine. ``deterministic=False`` takes it for full and causal attention; the default takes it for causal
-calls with no more keys than queries, each dQ tile's adds in a fixed order. Within the 3x gradient bar on
+copy engine. It takes full and causal attention, by default with each dQ tile's adds in a fixed order,
+``deterministic=False`` in any order. Within the 3x gradient bar on
 every pattern it accepts at odd lengths, GQA, strided inputs and an LSE gradient, bitwise reproducible where
 ordered (GPU tier, Hopper only). Off the GPU the flag changes nothing. tests/test_kernel_sass.py compiles the
 kernel for sm_90a on the CPU."""
@@ -32,22 +32,20 @@ hopper_only = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100 / 
 ])
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_serves(dtype, D, Dv, causal, window, sinks, expected, deterministic):
-    """Without the flag: what the kernel was built for. With it: causal calls alone (full attention would
-    queue at the ordered adds)."""
+    """What the kernel was built for, with the flag or without (ordered dQ adds or not)."""
     pattern = Pattern.make(300, 300, causal=causal, window=window)
-    causal = pattern.right == 0
-    assert hopper_backward.serves(dtype, D, Dv, pattern, sinks, deterministic) == (
-        expected and (causal or not deterministic))
+    assert hopper_backward.serves(dtype, D, Dv, pattern, sinks, deterministic) == expected
 
 
 @pytest.mark.parametrize("nq,nk", [(300, 300), (1000, 999), (4097, 4097), (777, 300), (129, 128), (64, 1)])
-def test_ordered_counts(nq, nk):
+@pytest.mark.parametrize("causal", [True, False])
+def test_ordered_counts(nq, nk, causal):
     """What the ordered adds rely on, in the rule's own terms (gstar.pattern): the KV tiles whose programs add
-    into causal Q tile m are exactly tiles 0 .. last(m), the last that m sees (the kernel's ``_last_tile``,
-    from kv_range, which tests/test_ranges.py checks against kv_blocks), so the count for tile j reaches
-    last(m) - j; and in the order the writer waits for (descending tiles) each program reaches the tile at
-    least two of its steps after the one before it."""
-    pattern = Pattern.make(nq, nk, causal=True)
+    into Q tile m are exactly tiles 0 .. last(m), the last that m sees (the kernel's ``_last_tile``, from
+    kv_range, which tests/test_ranges.py checks against kv_blocks), so the count for tile j reaches
+    last(m) - j; and where the writer counts late (causal), in the order it waits for (descending tiles)
+    each program reaches the tile at least two of its steps after the one before it."""
+    pattern = Pattern.make(nq, nk, causal=causal)
     rows, keys = hopper_backward.ROWS.value, hopper_backward.BLOCK_N.value
     n_tiles = -(-nk // keys)
     first = [q_blocks(pattern, j * keys, rows, keys)[0] for j in range(n_tiles)]
@@ -56,18 +54,18 @@ def test_ordered_counts(nq, nk):
                   < q_blocks(pattern, j * keys, rows, keys)[3]]
         last = kv_blocks(pattern, m * rows, rows, keys)[4] - 1
         assert adders == list(range(last + 1))
-        for j in adders[:-1]:  # steps from each program's first Q tile to m
-            assert m - first[j] >= m - first[j + 1] + 2
+        if hopper_backward.count_late(pattern):
+            for j in adders[:-1]:  # steps from each program's first Q tile to m
+                assert m - first[j] >= m - first[j + 1] + 2
 
 
-@pytest.mark.parametrize("nq,nk,expected", [(300, 300, True), (301, 300, True), (4000, 129, True),
-                                            (300, 301, False), (1, 4000, False)])
-def test_serves_ordered_lengths(nq, nk, expected):
-    """The ordered adds wait for nothing only when each KV tile's first Q tile lies past the one before:
-    causal with no more keys than queries."""
-    pattern = Pattern.make(nq, nk, causal=True)
-    assert hopper_backward.serves(torch.bfloat16, 128, 128, pattern, False, True) == expected
-    assert hopper_backward.serves(torch.bfloat16, 128, 128, pattern, False, False)
+@pytest.mark.parametrize("nq,nk,causal,expected", [(300, 300, True, True), (301, 300, True, True),
+                                                   (4000, 129, True, True), (300, 301, True, False),
+                                                   (1, 4000, True, False), (300, 300, False, False)])
+def test_count_late(nq, nk, causal, expected):
+    """Counting one add late waits for nothing only when each KV tile's first Q tile lies past the one
+    before: causal with no more keys than queries (test_ordered_counts checks the two steps)."""
+    assert hopper_backward.count_late(Pattern.make(nq, nk, causal=causal)) == expected
 
 
 @pytest.mark.parametrize("batch,heads,group,nq,causal,expected", [
@@ -161,20 +159,23 @@ def test_gpu_within_bar(D, dtype, Nq, Nk, causal, group, deterministic, monkeypa
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("N,H,group,heads", [(4999, 16, 8, 8), (4999, 16, 8, 2), (17001, 2, 2, 1)])
-def test_gpu_ordered_adds(N, H, group, heads, monkeypatch):
+@pytest.mark.parametrize("N,H,group,heads,causal", [(4999, 16, 8, 8, True), (4999, 16, 8, 2, True),
+                                                    (17001, 2, 2, 1, True), (4999, 16, 8, 8, False),
+                                                    (17001, 2, 2, 1, False)])
+def test_gpu_ordered_adds(N, H, group, heads, causal, monkeypatch):
     """The ordered dQ: many KV tiles add into each dQ tile (4999: 40 tiles; 17001: 133 tiles, more than an
     H100 / H200 has SMs, so a tile's programs cannot all be resident at once and must not wait on one not
     yet launched), GQA 8 walked by one program or by four (each with two heads, dK and dV summed from four
-    parts) and GQA 2 by two: within the bar, and bitwise equal over five runs."""
+    parts) and GQA 2 by two, causal (adds counted late) and full (counted at once): within the bar, and
+    bitwise equal over five runs."""
     calls = []
     monkeypatch.setattr(hopper_backward, "backward", lambda *a: calls.append(1) or fused(*a))
     monkeypatch.setattr(hopper_backward, "heads_per_program", lambda *a: heads)
     D, dtype, scale = 128, torch.bfloat16, 128 ** -0.5
     q, k, v = make_qkv(1, H, H // group, N, N, D, dtype, device="cuda")
     dout = torch.randn_like(q)
-    pattern = Pattern.make(N, N, causal=True)
-    ref_out, ref_lse, _ = _oracle(q, k, v, None, dout, None, dict(causal=True), scale, torch.float32)
+    pattern = Pattern.make(N, N, causal=causal)
+    ref_out, ref_lse, _ = _oracle(q, k, v, None, dout, None, dict(causal=causal), scale, torch.float32)
     out = ref_out.to(dtype)
     runs = [attention_backward(dout, q, k, v, out, ref_lse.float(), None, None, pattern, scale)
             for _ in range(5)]
@@ -182,8 +183,8 @@ def test_gpu_ordered_adds(N, H, group, heads, monkeypatch):
     for grads in runs[1:]:
         for a, b in zip(grads[:3], runs[0][:3]):
             assert torch.equal(a, b)
-    ref = _oracle_by_kv_head(q, k, v, None, dout, None, dict(causal=True), scale, torch.float64)
-    pt = _oracle_by_kv_head(q, k, v, None, dout, None, dict(causal=True), scale, dtype)
+    ref = _oracle_by_kv_head(q, k, v, None, dout, None, dict(causal=causal), scale, torch.float64)
+    pt = _oracle_by_kv_head(q, k, v, None, dout, None, dict(causal=causal), scale, dtype)
     _check_bar(runs[0], ref, pt)
 
 

@@ -210,9 +210,9 @@ def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
         deterministic: the backward's gradients are bitwise reproducible from run to run (the default). An
             H100 / H200 runs a fused backward for 16-bit calls at head dim 128 (q, k and v) without learned
             sinks: five matmuls per tile pair instead of seven, dQ added up across key tiles in float32 by the
-            copy engine. By default it takes causal calls (no more keys than queries) and adds each dQ tile
-            in a fixed order; ``False`` lets it take full attention too, in any order, so dQ's last bits vary
-            between runs (within the same accuracy bar). Everywhere else the flag changes nothing.
+            copy engine, for full and causal attention. By default it adds into each dQ tile in a fixed
+            order; with ``False`` in any order, slightly faster, so dQ's last bits vary between runs (within
+            the same accuracy bar). Everywhere else the flag changes nothing.
 
     Nq = 3, Nk = 5, ``causal=True`` (``1`` = visible), and with ``window=(1, 0), sink_tokens=1``::
 

@@ -234,9 +234,9 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
             :func:`attention_forward` (B = 1, the sequence axis is total_q / total_k,
             ``pattern`` holds the longest lengths). The dK/dV work is never split then.
         deterministic: sm_90 takes :mod:`.hopper_backward` (five products per tile pair instead of seven)
-            for the calls it serves: with the flag (the default) causal ones, each dQ tile's adds in a fixed
-            order; without it full attention too, dQ's adds in any order (its last bits vary from run to run).
-            Elsewhere the flag changes nothing.
+            for the calls it serves (full and causal): with the flag (the default) each dQ tile's adds in a
+            fixed order; without it in any order (dQ's last bits vary from run to run). Elsewhere the flag
+            changes nothing.
 
     Returns ``(dq, dk, dv, dsinks)``: dq like q, dk like k, dv like v (dtype and memory layout; packed:
     heads-first views of contiguous packed tensors), dsinks

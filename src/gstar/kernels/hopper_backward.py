@@ -1,8 +1,8 @@
 """The Hopper (sm_90) backward kernel, warp-specialised, in Gluon: dK, dV and dQ from one pass over the
 (KV tile, Q tile) pairs, dQ added up across KV tiles in float32 by the copy engine's reduce-add
 (FlashAttention-3's schedule). Five products per pair where the two-kernel backward (:mod:`.backward`) spends
-seven. Causal calls take it by default with each dQ tile's adds in a fixed order (bitwise reproducible);
-``deterministic=False`` drops the order and lets full attention in (docs/hopper.md draws it).
+seven. Full and causal calls take it by default with each dQ tile's adds in a fixed order (bitwise
+reproducible); ``deterministic=False`` drops the order (docs/hopper.md draws it).
 
 A program owns a 128-key tile of one kv head (of one batch row) and walks ``HEADS`` query heads of its GQA
 group and, for each, the 64-row Q tiles that see the tile (:func:`gstar.kernels.ranges.q_range`: masked edges,
@@ -28,8 +28,10 @@ finished reading the tile it is about to overwrite.
 Ordered adds (``ORDERED``): the writer of KV tile j adds into a dQ tile once the count of adds done to it
 (an int32 per (batch, head, Q tile)) shows every later KV tile's, and counts its own once complete. In a causal
 call with no more keys than queries the program of tile j + 1 reaches each Q tile at least two steps before
-tile j's, so the count is there in time; the grid launches the last tile first, so a program waits only on
-programs launched before it and the order cannot deadlock (NOTES, 'Ordered dQ adds').
+tile j's, so the count is there in time; in full attention the programs of a head that start together settle
+into a stagger of one add's latency each. The grid launches the last tile first, so a program waits only on
+programs launched before it and the order cannot deadlock (NOTES, 'Ordered dQ adds' and 'Ordered adds in
+full attention').
 
 The host (:func:`backward`) runs the portable dQ kernel's row statistics first (delta and the base-2 LSE),
 zeroes the accumulator, launches this kernel, sums dK, dV over the group's parts when the group is split
@@ -82,9 +84,10 @@ _sync_warpgroup = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 @gluon.jit
-def _last_tile(m, Nq, Nk, right):
-    """The last 128-key tile that causal Q tile ``m`` sees: tiles ``0 ..`` it each add into its dQ."""
-    return kv_range(m * ROWS, Nq, Nk, 0, right, 0, ROWS, BLOCK_N, False, True)[4] - 1
+def _last_tile(m, Nq, Nk, right, HAS_RIGHT: gl.constexpr):
+    """The last 128-key tile that Q tile ``m`` sees (causal, or full): tiles ``0 ..`` it each add into its
+    dQ."""
+    return kv_range(m * ROWS, Nq, Nk, 0, right, 0, ROWS, BLOCK_N, False, HAS_RIGHT)[4] - 1
 
 
 @gluon.jit
@@ -126,13 +129,14 @@ def _producer(q_desc, k_desc, v_desc, do_desc, shared, batch, hkv, h_first, key0
 
 @gluon.jit
 def _writer(dqa_desc, Counts, shared, batch, h_first, tile, m_start, n_m, Nq, Nk, right, HEADS: gl.constexpr,
-            ORDERED: gl.constexpr):
+            HAS_RIGHT: gl.constexpr, ORDERED: gl.constexpr, COUNT_LATE: gl.constexpr):
     """One warp: adds each step's dQ tile, staged by the warpgroup whose turn it was (step ``it``: buffer
     ``it % 2``), into the float32 accumulator by the copy engine's reduce-add, and frees the buffer once the
     add has read it; the latency of the adds stays off the consumers. ORDERED: a dQ tile's adds go in
     descending KV-tile order. Counts (B, Hq, n_q_tiles) int32 holds WRITER per add done; the writer waits
-    until its tile's count shows every later KV tile's add, and counts its own add once it is complete,
-    which it learns after issuing the next one (the last at the end)."""
+    until its tile's count shows every later KV tile's add, and counts its own add once it is complete:
+    at once, or with COUNT_LATE once it has issued the next add (the last at the end), so that the wait for
+    completion overlaps that add."""
     (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
      ds_ready, dq_staged, dq_free) = shared
     n_q_tiles = gl.cdiv(Nq, ROWS)
@@ -144,13 +148,15 @@ def _writer(dqa_desc, Counts, shared, batch, h_first, tile, m_start, n_m, Nq, Nk
         if ORDERED:
             done = count
             count = Counts + (batch * gl.num_programs(1) * HEADS + h) * n_q_tiles + m
-            _wait_count(count, (_last_tile(m, Nq, Nk, right) - tile) * WRITER)
+            _wait_count(count, (_last_tile(m, Nq, Nk, right, HAS_RIGHT) - tile) * WRITER)
         _tma_add(dqa_desc, [batch, h, m * ROWS, 0], dq_smem.index(it % 2))  # rows past Nq are clipped
-        if ORDERED and it > 0:
+        if COUNT_LATE and it > 0:
             _release_count(done, 1)
         tma.store_wait(0)
         mbarrier.arrive(dq_free.index(it % 2), count=1)
-    if ORDERED and HEADS * n_m > 0:
+        if ORDERED and not COUNT_LATE:
+            _release_count(count, 0)
+    if COUNT_LATE and HEADS * n_m > 0:
         _release_count(count, 0)
 
 
@@ -261,7 +267,8 @@ def _consumer(DK, DV, Lse2, Delta, shared, b, hkv, part, h_first, tile, half, st
 @gluon.jit(do_not_specialize=["Nq", "Nk", "right"])
 def _backward_kernel(q_desc, k_desc, v_desc, do_desc, dqa_desc, DK, DV, Lse2, Delta, Counts, Nq, Nk, right,
                      qk_scale, scale, stride_dk, stride_dv, GROUP: gl.constexpr, HEADS: gl.constexpr,
-                     HEAD_DIM: gl.constexpr, HAS_RIGHT: gl.constexpr, ORDERED: gl.constexpr):
+                     HEAD_DIM: gl.constexpr, HAS_RIGHT: gl.constexpr, ORDERED: gl.constexpr,
+                     COUNT_LATE: gl.constexpr):
     """Grid ``(cdiv(Nk, 128), Hq // HEADS, B)``: one 128-key tile of one kv head against HEADS of its GROUP
     query heads: their share of the tile's dK, dV and of dQ.
 
@@ -270,7 +277,8 @@ def _backward_kernel(q_desc, k_desc, v_desc, do_desc, dqa_desc, DK, DV, Lse2, De
     group, with (part, batch, head, row) strides ``stride_dk``, ``stride_dv`` (part stride 0 when one program
     takes the whole group); Lse2 (base-2 LSE), Delta: (B, Hq, Nq) float32 contiguous; dqa_desc: over
     (B, Hq, Nq, D) float32, zeroed, moving (1, 1, 64, D) tiles: receives ``scale * dS K``. Full attention, or
-    causal (``right`` = 0 with HAS_RIGHT); qk_scale = scale * log2(e).
+    causal (``right`` = 0 with HAS_RIGHT); qk_scale = scale * log2(e). ORDERED, COUNT_LATE: the writer's
+    (:func:`_writer`); Counts: its (B, Hq, n_q_tiles) int32, zeroed (unread when not ORDERED).
     """
     tile = gl.program_id(0)
     if ORDERED:  # the last tile first: every program waits only on programs launched before it
@@ -311,7 +319,8 @@ def _backward_kernel(q_desc, k_desc, v_desc, do_desc, dqa_desc, DK, DV, Lse2, De
         (_consumer, (DK, DV, Lse2, Delta, shared, b, hkv, part, h_first, tile, 1, starts, n_m, Nq, Nk, right,
                      qk_scale, scale, stride_dk, stride_dv, HEADS, HEAD_DIM, HAS_RIGHT)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, shared, b, hkv, h_first, key0, m_start, n_m, HEADS)),
-        (_writer, (dqa_desc, Counts, shared, b, h_first, tile, m_start, n_m, Nq, Nk, right, HEADS, ORDERED)),
+        (_writer, (dqa_desc, Counts, shared, b, h_first, tile, m_start, n_m, Nq, Nk, right, HEADS, HAS_RIGHT,
+                   ORDERED, COUNT_LATE)),
     ], [4, 1, 1], [240, 24, 24])
 
 
@@ -319,12 +328,8 @@ def serves(dtype: torch.dtype, head_dim: int, value_dim: int, pattern: Pattern, 
            deterministic: bool) -> bool:
     """Whether the backward of calls of this kind takes this kernel on sm_90: 16-bit, D = Dv in ``HEAD_DIMS``,
     full or causal attention, no learned sinks (their gradient needs rows of P * dP summed over every key: the
-    two-kernel backward computes them). A ``deterministic`` call only when causal with no more keys than
-    queries: then the programs that add into a dQ tile reach it in descending KV-tile order, two steps apart,
-    and the fixed order costs no waiting; in full attention (or the first tiles of a causal call with more keys
-    than queries) they would reach it together and queue."""
-    return (_full_or_causal(dtype, head_dim, value_dim, pattern, HEAD_DIMS) and not has_sinks
-            and (not deterministic or (pattern.right == 0 and pattern.nk <= pattern.nq)))
+    two-kernel backward computes them); ``deterministic`` or not (ordered dQ adds or not)."""
+    return _full_or_causal(dtype, head_dim, value_dim, pattern, HEAD_DIMS) and not has_sinks
 
 
 def supported(q, k, v, dout, pattern: Pattern, has_sinks: bool, deterministic: bool) -> bool:
@@ -346,11 +351,20 @@ def heads_per_program(batch: int, heads: int, group: int, nq: int, causal: bool,
     return max(h for h in range(1, group + 1) if group % h == 0 and (h <= bound or h == 1))
 
 
+def count_late(pattern: Pattern) -> bool:
+    """Whether the writer counts each ordered add once it has issued the next (the wait for completion
+    hidden) rather than as soon as it completes: in a causal call with no more keys than queries, where the
+    programs that add into a dQ tile reach it in descending order two steps apart. In full attention they
+    reach it together, and counting late would hold each program a step behind the one before (NOTES,
+    'Ordered adds in full attention')."""
+    return pattern.right == 0 and pattern.nk <= pattern.nq
+
+
 def backward(q, k, v, dout, dk, dv, dqa, lse2, delta, pattern: Pattern, scale: float, deterministic: bool) -> None:
     """Fill dk, dv (like k, v) and add ``scale * dS K`` into dqa (B, Hq, Nq, D) float32 contiguous, zeroed,
     for a dense call :func:`supported` accepts. q, dout: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D); lse2, delta:
     (B, Hq, Nq) float32 contiguous, the base-2 LSE and ``rowsum(dO * O) - dLSE`` (the dQ kernel's
-    statistics). deterministic: each dQ tile's adds in descending KV-tile order (causal calls)."""
+    statistics). deterministic: each dQ tile's adds in descending KV-tile order."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -364,7 +378,7 @@ def backward(q, k, v, dout, dk, dv, dqa, lse2, delta, pattern: Pattern, scale: f
         _descriptor(dout, ROWS.value), _descriptor(dqa, ROWS.value), pk, pv, lse2, delta, counts, Nq, Nk,
         max(pattern.right, 0), scale * math.log2(math.e), scale, stride_pk, stride_pv,
         GROUP=group, HEADS=group // parts, HEAD_DIM=D, HAS_RIGHT=pattern.right >= 0, ORDERED=deterministic,
-        num_warps=4, maxnreg=168)
+        COUNT_LATE=deterministic and count_late(pattern), num_warps=4, maxnreg=168)
     if parts > 1:
         _sum_parts(pk, pv, dk, dv, pattern, group, parts)
 
