@@ -62,9 +62,10 @@ ROWS = gl.constexpr(64)  # queries per step, and keys per consumer warpgroup: wg
 BLOCK_N = gl.constexpr(128)  # keys per program: two consumers
 STAGES = gl.constexpr(2)  # Q and dO slots each
 WRITER = gl.constexpr(32)  # threads of the dQ writer warp, each counting an ordered add once
-# head dims (D = Dv) where this kernel beat the deterministic backward on an H200 (NOTES, 'Fused backward
-# with atomic dQ'); at D = 64 it is level or slower: its 64 x 64 score tiles leave the softmax work per product
-# twice D = 128's, and the portable dK/dV and dQ kernels fit two programs per SM there
+# head dims (D = Dv) where this kernel beats the two-kernel backward on an H200 (NOTES, 'Fused backward with
+# atomic dQ'); at D = 64, ordered, it wins only at GQA 8 causal (0.92x) and loses at MHA and full attention
+# (1.02-1.19x; NOTES, 'The fused backward at head dim 64'): its 64 x 64 score tiles leave the softmax work per
+# product twice D = 128's, and the portable dK/dV and dQ kernels fit two programs per SM there
 HEAD_DIMS = (128,)
 
 
