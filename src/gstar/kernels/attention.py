@@ -261,7 +261,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
     delta, lse2 = stats[0], stats[1]                                                # (B, Hq, Nq) each
     cu_q, cu_k = cu_seqlens if varlen else (None, None)
     if (config is None and not varlen
-            and hopper_backward.supported(q, k, v, dout, pattern, sinks is not None, deterministic)):
+            and hopper_backward.supported(q, k, v, dout, pattern, sinks is not None)):
         # the dQ kernel's row statistics alone, then one kernel for dK, dV and a float32 dQ
         launch(_dq, plan.dq_grid, (q, k, v, out, dout, dlse, lse, None, lse2, delta, q, None, plan.kv_table,
                                    None, None),  # (DQ: unused)

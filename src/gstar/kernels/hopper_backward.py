@@ -325,18 +325,17 @@ def _backward_kernel(q_desc, k_desc, v_desc, do_desc, dqa_desc, DK, DV, Lse2, De
     ], [4, 1, 1], [240, 24, 24])
 
 
-def serves(dtype: torch.dtype, head_dim: int, value_dim: int, pattern: Pattern, has_sinks: bool,
-           deterministic: bool) -> bool:
-    """Whether the backward of calls of this kind takes this kernel on sm_90: 16-bit, D = Dv in ``HEAD_DIMS``,
-    full or causal attention, no learned sinks (their gradient needs rows of P * dP summed over every key: the
-    two-kernel backward computes them); ``deterministic`` or not (ordered dQ adds or not)."""
+def serves(dtype: torch.dtype, head_dim: int, value_dim: int, pattern: Pattern, has_sinks: bool) -> bool:
+    """Whether the backward of calls of this kind takes this kernel on sm_90, deterministic (ordered dQ adds)
+    or not: 16-bit, D = Dv in ``HEAD_DIMS``, full or causal attention, no learned sinks (their gradient needs
+    rows of P * dP summed over every key: the two-kernel backward computes them)."""
     return _full_or_causal(dtype, head_dim, value_dim, pattern, HEAD_DIMS) and not has_sinks
 
 
-def supported(q, k, v, dout, pattern: Pattern, has_sinks: bool, deterministic: bool) -> bool:
+def supported(q, k, v, dout, pattern: Pattern, has_sinks: bool) -> bool:
     """Whether this kernel serves this dense call: a ``VERIFIED`` Triton, q on an sm_90 GPU, a call of the
     kind :func:`serves`, and operands (dO included) a TMA descriptor can read."""
-    return (_on_hopper(q) and serves(q.dtype, q.shape[3], v.shape[3], pattern, has_sinks, deterministic)
+    return (_on_hopper(q) and serves(q.dtype, q.shape[3], v.shape[3], pattern, has_sinks)
             and descriptors.supported(q, k, v, dout))
 
 
