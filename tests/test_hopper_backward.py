@@ -12,28 +12,31 @@ import gstar
 from inputs import make_qkv
 from gstar.kernels import attention_backward, hopper_backward
 from gstar.pattern import Pattern, kv_blocks, q_blocks
-from test_backward import _check_bar, _check_exact_zeros, _oracle, _oracle_by_kv_head
+from test_backward import _check_bar, _check_exact_zeros, _oracle, _oracle_by_kv_head, _sinks
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 hopper_only = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100 / H200)")
 
 
-@pytest.mark.parametrize("dtype,D,Dv,causal,window,sinks,expected", [
-    (torch.bfloat16, 128, 128, True, (-1, -1), False, True),
-    (torch.float16, 128, 128, False, (-1, -1), False, True),
-    (torch.bfloat16, 128, 128, False, (-1, 0), False, True),   # causal spelled as a window
-    (torch.bfloat16, 128, 128, True, (-1, -1), True, False),   # learned sinks: the two-kernel backward
-    (torch.bfloat16, 128, 128, True, (127, 0), False, False),  # a window layer
-    (torch.bfloat16, 64, 64, True, (-1, -1), False, 64 in hopper_backward.HEAD_DIMS),
-    (torch.bfloat16, 128, 128, False, (-1, 3), False, False),  # a right bound past the diagonal
-    (torch.bfloat16, 128, 64, True, (-1, -1), False, False),   # Dv != D
-    (torch.bfloat16, 96, 96, True, (-1, -1), False, False),    # a head dim it was not built for
-    (torch.float32, 128, 128, True, (-1, -1), False, False),
+@pytest.mark.parametrize("dtype,D,Dv,causal,window,group,expected", [
+    (torch.bfloat16, 128, 128, True, (-1, -1), 1, True),
+    (torch.float16, 128, 128, False, (-1, -1), 1, True),
+    (torch.bfloat16, 128, 128, False, (-1, 0), 4, True),    # causal spelled as a window
+    (torch.bfloat16, 128, 128, True, (127, 0), 1, False),   # a window layer
+    (torch.bfloat16, 64, 64, True, (-1, -1), 8, True),      # GPT-OSS's full layers: causal GQA 8
+    (torch.bfloat16, 64, 64, True, (-1, -1), 16, True),
+    (torch.bfloat16, 64, 64, True, (-1, -1), 4, False),     # D 64 below its least group
+    (torch.bfloat16, 64, 64, False, (-1, -1), 8, False),    # D 64 full attention
+    (torch.bfloat16, 128, 128, False, (-1, 3), 1, False),   # a right bound past the diagonal
+    (torch.bfloat16, 128, 64, True, (-1, -1), 1, False),    # Dv != D
+    (torch.bfloat16, 96, 96, True, (-1, -1), 1, False),     # a head dim it was not built for
+    (torch.float32, 128, 128, True, (-1, -1), 1, False),
 ])
-def test_serves(dtype, D, Dv, causal, window, sinks, expected):
-    """What the kernel was built for (the same with ordered dQ adds or without)."""
+def test_serves(dtype, D, Dv, causal, window, group, expected):
+    """What the kernel was built for (the same with ordered dQ adds or without, with learned sinks or
+    without)."""
     pattern = Pattern.make(300, 300, causal=causal, window=window)
-    assert hopper_backward.serves(dtype, D, Dv, pattern, sinks) == expected
+    assert hopper_backward.serves(dtype, D, Dv, pattern, group) == expected
 
 
 @pytest.mark.parametrize("nq,nk", [(300, 300), (1000, 999), (4097, 4097), (777, 300), (129, 128), (64, 1)])
@@ -124,36 +127,38 @@ def test_flag_changes_nothing_off_hopper():
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("D", hopper_backward.HEAD_DIMS)
+@pytest.mark.parametrize("D", sorted(hopper_backward.HEAD_DIMS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("Nq,Nk", [(128, 128), (1000, 1000), (777, 300), (300, 777), (65, 4097)])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_gpu_within_bar(D, dtype, Nq, Nk, causal, group, deterministic, monkeypatch):
+@pytest.mark.parametrize("group", [1, 8])
+@pytest.mark.parametrize("sinks,deterministic", [(None, False), (None, True), ("mixed", True)])
+def test_gpu_within_bar(D, dtype, Nq, Nk, causal, group, sinks, deterministic, monkeypatch):
     """Full and causal attention at odd lengths (Nq > Nk leaves causal rows without keys, Nq < Nk keys no
-    row sees), MHA and GQA 4 (a program walks several query heads: both warpgroups' turns at dQ cross head
-    boundaries), (B, N, H, D) strides, an LSE gradient: the 3x bar, exact zeros, and the fused kernel is the
-    one that ran where it serves the call (else the two-kernel backward)."""
+    row sees), MHA and GQA 8 (a program walks several query heads: both warpgroups' turns at dQ cross head
+    boundaries), learned sinks or none, (B, N, H, D) strides, an LSE gradient: the 3x bar (dsinks included),
+    exact zeros, and the fused kernel is the one that ran where it serves the call (else the two-kernel
+    backward)."""
     calls = []
     monkeypatch.setattr(hopper_backward, "backward", lambda *a: calls.append(1) or fused(*a))
     q, k, v = make_qkv(2, 8, 8 // group, Nq, Nk, D, dtype, device="cuda", layout="bnhd")
     dout = torch.randn(2, 8, Nq, D, device="cuda").to(dtype)
     dlse = torch.randn(2, 8, Nq, device="cuda")
+    sinks = _sinks(sinks, 8, device="cuda")
     pattern_args, scale = dict(causal=causal), D ** -0.5
-    ref_out, ref_lse, ref = _oracle(q, k, v, None, dout, dlse, pattern_args, scale, torch.float64)
-    _, _, pt = _oracle(q, k, v, None, dout, dlse, pattern_args, scale, dtype)
+    ref_out, ref_lse, ref = _oracle(q, k, v, sinks, dout, dlse, pattern_args, scale, torch.float64)
+    _, _, pt = _oracle(q, k, v, sinks, dout, dlse, pattern_args, scale, dtype)
     out = torch.empty_like(q).copy_(ref_out)
     pattern = Pattern.make(Nq, Nk, causal=causal)
-    grads = attention_backward(dout, q, k, v, out, ref_lse.float(), dlse, None, pattern, scale,
+    grads = attention_backward(dout, q, k, v, out, ref_lse.float(), dlse, sinks, pattern, scale,
                                deterministic=deterministic)
-    assert calls == [1] * hopper_backward.serves(dtype, D, D, pattern, False)
+    assert calls == [1] * hopper_backward.serves(dtype, D, D, pattern, group)
     _check_bar(grads, ref, pt)
     _check_exact_zeros(grads, pattern)
     if deterministic:
-        again = attention_backward(dout, q, k, v, out, ref_lse.float(), dlse, None, pattern, scale)
-        for a, b in zip(grads[:3], again[:3]):
-            assert torch.equal(a, b)
+        again = attention_backward(dout, q, k, v, out, ref_lse.float(), dlse, sinks, pattern, scale)
+        for a, b in zip(grads, again):
+            assert (a is None and b is None) or torch.equal(a, b)
 
 
 @pytest.mark.gpu

@@ -261,7 +261,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
     delta, lse2 = stats[0], stats[1]                                                # (B, Hq, Nq) each
     cu_q, cu_k = cu_seqlens if varlen else (None, None)
     if (config is None and not varlen
-            and hopper_backward.supported(q, k, v, dout, pattern, sinks is not None)):
+            and hopper_backward.supported(q, k, v, dout, pattern)):
         # the dQ kernel's row statistics alone, then one kernel for dK, dV and a float32 dQ
         launch(_dq, plan.dq_grid, (q, k, v, out, dout, dlse, lse, None, lse2, delta, q, None, plan.kv_table,
                                    None, None),  # (DQ: unused)
@@ -269,7 +269,10 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
         dk, dv = like(k), like(v)
         dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)        # (B, Hq, Nq, D)
         hopper_backward.backward(q, k, v, dout, dk, dv, dq_sum, lse2, delta, pattern, scale, deterministic)
-        return like(q).copy_(dq_sum), dk, dv, None
+        dsinks = None
+        if sinks is not None:  # dsinks[h] = -sum over rows of exp(sinks[h] - lse) * delta, a fixed-order sum
+            dsinks = (torch.exp(sinks[None, :, None] - lse) * delta).sum(dim=(0, 2)).neg_()  # (Hq,)
+        return like(q).copy_(dq_sum), dk, dv, dsinks
     dq_tma = plan.dq_tma and descriptors.supported(k, v)
     dkdv_tma = plan.dkdv_tma and descriptors.supported(q, dout)
     k_in, v_in, q_in, do_in = k, v, q, dout

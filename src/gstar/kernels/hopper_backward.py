@@ -62,11 +62,12 @@ ROWS = gl.constexpr(64)  # queries per step, and keys per consumer warpgroup: wg
 BLOCK_N = gl.constexpr(128)  # keys per program: two consumers
 STAGES = gl.constexpr(2)  # Q and dO slots each
 WRITER = gl.constexpr(32)  # threads of the dQ writer warp, each counting an ordered add once
-# head dims (D = Dv) where this kernel beats the two-kernel backward on an H200 (NOTES, 'Fused backward with
-# atomic dQ'); at D = 64, ordered, it wins only at GQA 8 causal (0.92x) and loses at MHA and full attention
-# (1.02-1.19x; NOTES, 'The fused backward at head dim 64'): its 64 x 64 score tiles leave the softmax work per
-# product twice D = 128's, and the portable dK/dV and dQ kernels fit two programs per SM there
-HEAD_DIMS = (128,)
+# the calls where this kernel beats the two-kernel backward on an H200, by head dim (D = Dv): the least GQA group
+# it takes and whether full attention too. D = 128: every call (NOTES, 'Fused backward with atomic dQ'). D = 64:
+# causal GQA 8 (0.92x: a program's walk over the group shares its K and V); MHA and full attention lose
+# (1.04-1.06x), as its 64 x 64 score tiles leave the softmax work per product twice D = 128's and the portable
+# kernels fit two programs per SM there, and 128-query steps lose more (NOTES, 'The fused backward at head dim 64')
+HEAD_DIMS = {128: (1, True), 64: (8, False)}
 
 
 @builtin
@@ -325,17 +326,20 @@ def _backward_kernel(q_desc, k_desc, v_desc, do_desc, dqa_desc, DK, DV, Lse2, De
     ], [4, 1, 1], [240, 24, 24])
 
 
-def serves(dtype: torch.dtype, head_dim: int, value_dim: int, pattern: Pattern, has_sinks: bool) -> bool:
+def serves(dtype: torch.dtype, head_dim: int, value_dim: int, pattern: Pattern, group: int) -> bool:
     """Whether the backward of calls of this kind takes this kernel on sm_90, deterministic (ordered dQ adds)
-    or not: 16-bit, D = Dv in ``HEAD_DIMS``, full or causal attention, no learned sinks (their gradient needs
-    rows of P * dP summed over every key: the two-kernel backward computes them)."""
-    return _full_or_causal(dtype, head_dim, value_dim, pattern, HEAD_DIMS) and not has_sinks
+    or not: 16-bit, D = Dv in ``HEAD_DIMS`` with a GQA group of at least its least, full or causal attention
+    (full only where ``HEAD_DIMS`` says so). Learned sinks change nothing here: the LSE holds their term, and
+    :func:`gstar.kernels.attention.attention_backward` takes their gradient from the row statistics."""
+    least_group, full = HEAD_DIMS.get(head_dim, (0, False))
+    return (_full_or_causal(dtype, head_dim, value_dim, pattern, HEAD_DIMS) and group >= least_group
+            and (full or pattern.right == 0))
 
 
-def supported(q, k, v, dout, pattern: Pattern, has_sinks: bool) -> bool:
+def supported(q, k, v, dout, pattern: Pattern) -> bool:
     """Whether this kernel serves this dense call: a ``VERIFIED`` Triton, q on an sm_90 GPU, a call of the
     kind :func:`serves`, and operands (dO included) a TMA descriptor can read."""
-    return (_on_hopper(q) and serves(q.dtype, q.shape[3], v.shape[3], pattern, has_sinks)
+    return (_on_hopper(q) and serves(q.dtype, q.shape[3], v.shape[3], pattern, q.shape[1] // k.shape[1])
             and descriptors.supported(q, k, v, dout))
 
 
