@@ -268,10 +268,13 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
                (*plan.dq_head, batch_strides(q.stride(), False), *plan.dq_tail), plan.stats_options)
         dk, dv = like(k), like(v)
         dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)        # (B, Hq, Nq, D)
-        hopper_backward.backward(q, k, v, dout, dk, dv, dq_sum, lse2, delta, pattern, scale, deterministic)
+        pdp = hopper_backward.backward(q, k, v, dout, dk, dv, dq_sum, lse2, delta, sinks, pattern, scale,
+                                       deterministic)
         dsinks = None
-        if sinks is not None:  # dsinks[h] = -sum over rows of exp(sinks[h] - lse) * delta, a fixed-order sum
-            dsinks = (torch.exp(sinks[None, :, None] - lse) * delta).sum(dim=(0, 2)).neg_()  # (Hq,)
+        if sinks is not None:  # -sum_rows exp(sinks - lse) * (rowsum(P * dP) - dLSE), fixed-order sums
+            dsinks = -pdp
+            if dlse is not None:
+                dsinks += (torch.exp(sinks[None, :, None] - lse) * dlse.float()).sum(dim=(0, 2))
         return like(q).copy_(dq_sum), dk, dv, dsinks
     dq_tma = plan.dq_tma and descriptors.supported(k, v)
     dkdv_tma = plan.dkdv_tma and descriptors.supported(q, dout)

@@ -163,12 +163,15 @@ def _writer(dqa_desc, Counts, shared, batch, h_first, tile, m_start, n_m, Nq, Nk
 
 
 @gluon.jit
-def _steps(k, v, k_other, shared, dk, dv, lo, hi, it0, half, keys, s_zero, dq_zero, Lse2, Delta, qk_scale, scale,
-           row_base, Nq, Nk, right, HAS_RIGHT: gl.constexpr, MASKED: gl.constexpr):
+def _steps(k, v, k_other, shared, dk, dv, pdp_sum, lo, hi, it0, half, keys, s_zero, dq_zero, Lse2, Delta, sink2,
+           qk_scale, scale, row_base, Nq, Nk, right, HAS_RIGHT: gl.constexpr, MASKED: gl.constexpr,
+           HAS_SINKS: gl.constexpr):
     """Q tiles ``[lo, hi)`` of one query head (steps ``it0 ..``): adds each one's share to this warpgroup's
     dk, dv (64, D) float32 and, on its turns, stages the step's dQ for the writer. k, v: this
     warpgroup's 64 keys in shared memory, k_other: the other's; keys: their positions (64,); row_base:
-    Lse2's and Delta's offset of the head's row 0."""
+    Lse2's and Delta's offset of the head's row 0. HAS_SINKS: pdp_sum (64,) float32 also gathers, per key,
+    ``P * dP`` weighted by each row's sink probability ``exp2(sink2 - lse2)`` (sink2: the head's base-2 sink
+    logit), the rows' dsinks terms."""
     (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
      ds_ready, dq_staged, dq_free) = shared
     HEAD_DIM: gl.constexpr = k.shape[1]
@@ -197,7 +200,13 @@ def _steps(k, v, k_other, shared, dk, dv, lo, hi, it0, half, keys, s_zero, dq_ze
             p_t = gl.where(ok, p_t, 0.0)
         dv = warpgroup_mma(_operand(p_t, dv, q.dtype), do, dv, is_async=True)
         dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, ))
-        ds_t = p_t * (dp_t - gl.convert_layout(delta, col_layout)[None, :])
+        if HAS_SINKS:  # P * dP once: the sinks' share from it, then dS
+            pdp = p_t * dp_t
+            sink_p = gl.convert_layout(gl.exp2(sink2 - lse2), col_layout)  # (64,) each row's sink probability
+            pdp_sum += gl.sum(pdp * sink_p[None, :], axis=1)
+            ds_t = pdp - p_t * gl.convert_layout(delta, col_layout)[None, :]
+        else:
+            ds_t = p_t * (dp_t - gl.convert_layout(delta, col_layout)[None, :])
         dk = warpgroup_mma(_operand(ds_t, dk, q.dtype), q, dk, is_async=True)
         # this warpgroup's dS^T rows into the shared tile; the other's arrive completes the barrier
         ds = ds_smem.index(it % 2)
@@ -221,15 +230,17 @@ def _steps(k, v, k_other, shared, dk, dv, lo, hi, it0, half, keys, s_zero, dq_ze
             mbarrier.arrive(dq_staged.index(half), count=1)
         mbarrier.arrive(q_empty.index(slot), count=1)
         mbarrier.arrive(do_empty.index(slot), count=1)
-    return dk, dv
+    return dk, dv, pdp_sum
 
 
 @gluon.jit
-def _consumer(DK, DV, Lse2, Delta, shared, b, hkv, part, h_first, tile, half, starts, n_m, Nq, Nk, right, qk_scale,
-              scale, stride_dk, stride_dv, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, HAS_RIGHT: gl.constexpr):
+def _consumer(DK, DV, Lse2, Delta, Sinks, Shares, shared, b, hkv, part, h_first, tile, half, starts, n_m, Nq, Nk,
+              right, qk_scale, scale, stride_dk, stride_dv, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr,
+              HAS_RIGHT: gl.constexpr):
     """One warpgroup: keys ``tile * 128 + half * 64 ...`` of the tile, from K and V in shared memory to their
     rows of DK and DV (of part ``part``). starts: ``(m_start, full_start, full_end, m_end)`` of
-    :func:`q_range`."""
+    :func:`q_range`. With learned sinks (Sinks: (Hq,) float32, else None) it stores each head's sum of
+    ``exp(sinks - lse) * P * dP`` over its keys to Shares (B, n_tiles, 2, Hq) float32."""
     (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
      ds_ready, dq_staged, dq_free) = shared
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -250,11 +261,19 @@ def _consumer(DK, DV, Lse2, Delta, shared, b, hkv, part, h_first, tile, half, st
         h = h_first + g
         row_base = (b * gl.num_programs(1) * HEADS + h) * Nq  # (B, Hq, Nq) row 0 of head h
         it = g * n_m
+        pdp_sum = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))  # (64,) per key
+        sink2 = 0.0
+        if Sinks is not None:
+            sink2 = gl.load(Sinks + h) * 1.4426950408889634  # base 2, as Lse2
         for segment in gl.static_range(3):  # masked edge, unmasked interior, masked edge
             lo = starts[segment]
             hi = starts[segment + 1]
-            dk, dv = _steps(k, v, k_other, shared, dk, dv, lo, hi, it + lo - starts[0], half, keys, s_zero, dq_zero,
-                            Lse2, Delta, qk_scale, scale, row_base, Nq, Nk, right, HAS_RIGHT, segment != 1)
+            dk, dv, pdp_sum = _steps(k, v, k_other, shared, dk, dv, pdp_sum, lo, hi, it + lo - starts[0], half, keys,
+                                     s_zero, dq_zero, Lse2, Delta, sink2, qk_scale, scale, row_base, Nq, Nk, right,
+                                     HAS_RIGHT, segment != 1, Sinks is not None)
+        if Sinks is not None:
+            gl.store(Shares + ((b * gl.num_programs(0) + tile) * 2 + half) * (gl.num_programs(1) * HEADS) + h,
+                     gl.sum(pdp_sum, axis=0))
     key_rows = key0 + half * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))  # (64,)
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))                      # (D,)
     ok = (key_rows < Nk)[:, None]
@@ -267,8 +286,8 @@ def _consumer(DK, DV, Lse2, Delta, shared, b, hkv, part, h_first, tile, half, st
 
 
 @gluon.jit(do_not_specialize=["Nq", "Nk", "right"])
-def _backward_kernel(q_desc, k_desc, v_desc, do_desc, dqa_desc, DK, DV, Lse2, Delta, Counts, Nq, Nk, right,
-                     qk_scale, scale, stride_dk, stride_dv, GROUP: gl.constexpr, HEADS: gl.constexpr,
+def _backward_kernel(q_desc, k_desc, v_desc, do_desc, dqa_desc, DK, DV, Lse2, Delta, Sinks, Shares, Counts, Nq,
+                     Nk, right, qk_scale, scale, stride_dk, stride_dv, GROUP: gl.constexpr, HEADS: gl.constexpr,
                      HEAD_DIM: gl.constexpr, HAS_RIGHT: gl.constexpr, ORDERED: gl.constexpr,
                      COUNT_LATE: gl.constexpr):
     """Grid ``(cdiv(Nk, 128), Hq // HEADS, B)``: one 128-key tile of one kv head against HEADS of its GROUP
@@ -280,7 +299,8 @@ def _backward_kernel(q_desc, k_desc, v_desc, do_desc, dqa_desc, DK, DV, Lse2, De
     takes the whole group); Lse2 (base-2 LSE), Delta: (B, Hq, Nq) float32 contiguous; dqa_desc: over
     (B, Hq, Nq, D) float32, zeroed, moving (1, 1, 64, D) tiles: receives ``scale * dS K``. Full attention, or
     causal (``right`` = 0 with HAS_RIGHT); qk_scale = scale * log2(e). ORDERED, COUNT_LATE: the writer's
-    (:func:`_writer`); Counts: its (B, Hq, n_q_tiles) int32, zeroed (unread when not ORDERED).
+    (:func:`_writer`); Counts: its (B, Hq, n_q_tiles) int32, zeroed (unread when not ORDERED). Sinks, Shares:
+    None, or the learned sinks and the consumers' dsinks terms (:func:`_consumer`).
     """
     tile = gl.program_id(0)
     if ORDERED:  # the last tile first: every program waits only on programs launched before it
@@ -316,10 +336,10 @@ def _backward_kernel(q_desc, k_desc, v_desc, do_desc, dqa_desc, DK, DV, Lse2, De
               ds_ready, dq_staged, dq_free)
     starts = (m_start, full_start, full_end, m_end)
     gl.warp_specialize([
-        (_consumer, (DK, DV, Lse2, Delta, shared, b, hkv, part, h_first, tile, 0, starts, n_m, Nq, Nk, right,
-                     qk_scale, scale, stride_dk, stride_dv, HEADS, HEAD_DIM, HAS_RIGHT)),
-        (_consumer, (DK, DV, Lse2, Delta, shared, b, hkv, part, h_first, tile, 1, starts, n_m, Nq, Nk, right,
-                     qk_scale, scale, stride_dk, stride_dv, HEADS, HEAD_DIM, HAS_RIGHT)),
+        (_consumer, (DK, DV, Lse2, Delta, Sinks, Shares, shared, b, hkv, part, h_first, tile, 0, starts, n_m, Nq,
+                     Nk, right, qk_scale, scale, stride_dk, stride_dv, HEADS, HEAD_DIM, HAS_RIGHT)),
+        (_consumer, (DK, DV, Lse2, Delta, Sinks, Shares, shared, b, hkv, part, h_first, tile, 1, starts, n_m, Nq,
+                     Nk, right, qk_scale, scale, stride_dk, stride_dv, HEADS, HEAD_DIM, HAS_RIGHT)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, shared, b, hkv, h_first, key0, m_start, n_m, HEADS)),
         (_writer, (dqa_desc, Counts, shared, b, h_first, tile, m_start, n_m, Nq, Nk, right, HEADS, HAS_RIGHT,
                    ORDERED, COUNT_LATE)),
@@ -329,8 +349,8 @@ def _backward_kernel(q_desc, k_desc, v_desc, do_desc, dqa_desc, DK, DV, Lse2, De
 def serves(dtype: torch.dtype, head_dim: int, value_dim: int, pattern: Pattern, group: int) -> bool:
     """Whether the backward of calls of this kind takes this kernel on sm_90, deterministic (ordered dQ adds)
     or not: 16-bit, D = Dv in ``HEAD_DIMS`` with a GQA group of at least its least, full or causal attention
-    (full only where ``HEAD_DIMS`` says so). Learned sinks change nothing here: the LSE holds their term, and
-    :func:`gstar.kernels.attention.attention_backward` takes their gradient from the row statistics."""
+    (full only where ``HEAD_DIMS`` says so); with learned sinks or without (the consumers sum their
+    gradient's terms)."""
     least_group, full = HEAD_DIMS.get(head_dim, (0, False))
     return (_full_or_causal(dtype, head_dim, value_dim, pattern, HEAD_DIMS) and group >= least_group
             and (full or pattern.right == 0))
@@ -364,11 +384,14 @@ def count_late(pattern: Pattern) -> bool:
     return pattern.right == 0 and pattern.nk <= pattern.nq
 
 
-def backward(q, k, v, dout, dk, dv, dqa, lse2, delta, pattern: Pattern, scale: float, deterministic: bool) -> None:
+def backward(q, k, v, dout, dk, dv, dqa, lse2, delta, sinks, pattern: Pattern, scale: float, deterministic: bool):
     """Fill dk, dv (like k, v) and add ``scale * dS K`` into dqa (B, Hq, Nq, D) float32 contiguous, zeroed,
     for a dense call :func:`supported` accepts. q, dout: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D); lse2, delta:
     (B, Hq, Nq) float32 contiguous, the base-2 LSE and ``rowsum(dO * O) - dLSE`` (the dQ kernel's
-    statistics). deterministic: each dQ tile's adds in descending KV-tile order."""
+    statistics); sinks: None or (Hq,) float32 learned sink logits. deterministic: each dQ tile's adds in
+    descending KV-tile order. Returns None, or with sinks ``sum_rows exp(sinks - lse) * rowsum(P * dP)``,
+    (Hq,) float32 summed in a fixed order: dsinks is minus it plus the LSE gradient's term. It sums P * dP
+    rather than taking delta, whose O is rounded to the input dtype (benchmarks/NOTES.md, 'dsinks from P * dP')."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -377,14 +400,17 @@ def backward(q, k, v, dout, dk, dv, dqa, lse2, delta, pattern: Pattern, scale: f
     pk, pv, stride_pk, stride_pv = _partials(dk, dv, parts, n_tiles)
     shape = (B, Hq, cdiv(Nq, ROWS.value)) if deterministic else (0, )
     counts = torch.zeros(shape, dtype=torch.int32, device=q.device)  # (B, Hq, n_q_tiles): adds done per dQ tile
+    shares = None if sinks is None else torch.zeros((B, n_tiles, 2, Hq), dtype=torch.float32, device=q.device)
     _backward_kernel[(n_tiles, Hq // (group // parts), B)](
         _descriptor(q, ROWS.value), _descriptor(k, BLOCK_N.value), _descriptor(v, BLOCK_N.value),
-        _descriptor(dout, ROWS.value), _descriptor(dqa, ROWS.value), pk, pv, lse2, delta, counts, Nq, Nk,
+        _descriptor(dout, ROWS.value), _descriptor(dqa, ROWS.value), pk, pv, lse2, delta, sinks, shares, counts,
+        Nq, Nk,
         max(pattern.right, 0), scale * math.log2(math.e), scale, stride_pk, stride_pv,
         GROUP=group, HEADS=group // parts, HEAD_DIM=D, HAS_RIGHT=pattern.right >= 0, ORDERED=deterministic,
         COUNT_LATE=deterministic and count_late(pattern), num_warps=4, maxnreg=168)
     if parts > 1:
         _sum_parts(pk, pv, dk, dv, pattern, group, parts)
+    return None if shares is None else shares.sum(dim=(0, 1, 2))  # (Hq,)
 
 
 def _partials(dk, dv, parts: int, n_tiles: int):
