@@ -208,9 +208,10 @@ def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
             (:mod:`gstar.fp8` says how the kernel uses them).
         out_dtype: the output's dtype for FP8 inputs (bfloat16, float16 or float32; default bfloat16).
         deterministic: the backward's gradients are bitwise reproducible from run to run (the default). An
-            H100 / H200 runs a fused backward for 16-bit calls at head dim 128 (q, k and v) without learned
-            sinks: five matmuls per tile pair instead of seven, dQ added up across key tiles in float32 by the
-            copy engine, for full and causal attention. By default it adds into each dQ tile in a fixed
+            H100 / H200 runs a fused backward for 16-bit calls at head dim 128 (q, k and v; full and causal
+            attention) and at head dim 64 (causal, GQA groups of 8 or more: GPT-OSS's full layers), learned
+            sinks or not: five matmuls per tile pair instead of seven, dQ added up across key tiles in float32
+            by the copy engine. By default it adds into each dQ tile in a fixed
             order; with ``False`` in any order, slightly faster, so dQ's last bits vary between runs (within
             the same accuracy bar). Everywhere else the flag changes nothing.
 

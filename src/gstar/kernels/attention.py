@@ -234,7 +234,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
             :func:`attention_forward` (B = 1, the sequence axis is total_q / total_k,
             ``pattern`` holds the longest lengths). The dK/dV work is never split then.
         deterministic: sm_90 takes :mod:`.hopper_backward` (five products per tile pair instead of seven)
-            for the calls it serves (full and causal): with the flag (the default) each dQ tile's adds in a
+            for the calls it serves (``hopper_backward.serves``): with the flag (the default) each dQ tile's adds in a
             fixed order; without it in any order (dQ's last bits vary from run to run). Elsewhere the flag
             changes nothing.
 

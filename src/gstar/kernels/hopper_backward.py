@@ -1,8 +1,9 @@
 """The Hopper (sm_90) backward kernel, warp-specialised, in Gluon: dK, dV and dQ from one pass over the
 (KV tile, Q tile) pairs, dQ added up across KV tiles in float32 by the copy engine's reduce-add
 (FlashAttention-3's schedule). Five products per pair where the two-kernel backward (:mod:`.backward`) spends
-seven. Full and causal calls take it by default with each dQ tile's adds in a fixed order (bitwise
-reproducible); ``deterministic=False`` drops the order (docs/hopper.md draws it).
+seven. The calls of ``HEAD_DIMS`` (full and causal at D = 128, causal GQA 8 at D = 64) take it by default with
+each dQ tile's adds in a fixed order (bitwise reproducible); ``deterministic=False`` drops the order
+(docs/hopper.md draws it). With learned sinks the consumers also sum their gradient's terms (``Shares``).
 
 A program owns a 128-key tile of one kv head (of one batch row) and walks ``HEADS`` query heads of its GQA
 group and, for each, the 64-row Q tiles that see the tile (:func:`gstar.kernels.ranges.q_range`: masked edges,
@@ -65,7 +66,7 @@ WRITER = gl.constexpr(32)  # threads of the dQ writer warp, each counting an ord
 # the calls where this kernel beats the two-kernel backward on an H200, by head dim (D = Dv): the least GQA group
 # it takes and whether full attention too. D = 128: every call (NOTES, 'Fused backward with atomic dQ'). D = 64:
 # causal GQA 8 (0.92x: a program's walk over the group shares its K and V); MHA and full attention lose
-# (1.04-1.06x), as its 64 x 64 score tiles leave the softmax work per product twice D = 128's and the portable
+# (1.04-1.19x), as its 64 x 64 score tiles leave the softmax work per product twice D = 128's and the portable
 # kernels fit two programs per SM there, and 128-query steps lose more (NOTES, 'The fused backward at head dim 64')
 HEAD_DIMS = {128: (1, True), 64: (8, False)}
 
