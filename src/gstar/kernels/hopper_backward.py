@@ -405,8 +405,7 @@ def backward(q, k, v, dout, dk, dv, dqa, lse2, delta, sinks, pattern: Pattern, s
     _backward_kernel[(n_tiles, Hq // (group // parts), B)](
         _descriptor(q, ROWS.value), _descriptor(k, BLOCK_N.value), _descriptor(v, BLOCK_N.value),
         _descriptor(dout, ROWS.value), _descriptor(dqa, ROWS.value), pk, pv, lse2, delta, sinks, shares, counts,
-        Nq, Nk,
-        max(pattern.right, 0), scale * math.log2(math.e), scale, stride_pk, stride_pv,
+        Nq, Nk, max(pattern.right, 0), scale * math.log2(math.e), scale, stride_pk, stride_pv,
         GROUP=group, HEADS=group // parts, HEAD_DIM=D, HAS_RIGHT=pattern.right >= 0, ORDERED=deterministic,
         COUNT_LATE=deterministic and count_late(pattern), num_warps=4, maxnreg=168)
     if parts > 1:
