@@ -127,18 +127,17 @@ def test_flag_changes_nothing_off_hopper():
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("D", sorted(hopper_backward.HEAD_DIMS))
+@pytest.mark.parametrize("D,group", [(128, 1), (128, 8), (64, 8)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("Nq,Nk", [(128, 128), (1000, 1000), (777, 300), (300, 777), (65, 4097)])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("group", [1, 8])
 @pytest.mark.parametrize("sinks,deterministic", [(None, False), (None, True), ("mixed", True)])
 def test_gpu_within_bar(D, dtype, Nq, Nk, causal, group, sinks, deterministic, monkeypatch):
     """Full and causal attention at odd lengths (Nq > Nk leaves causal rows without keys, Nq < Nk keys no
     row sees), MHA and GQA 8 (a program walks several query heads: both warpgroups' turns at dQ cross head
     boundaries), learned sinks or none, (B, N, H, D) strides, an LSE gradient: the 3x bar (dsinks included),
     exact zeros, and the fused kernel is the one that ran where it serves the call (else the two-kernel
-    backward)."""
+    backward: D 64 full attention here; test_serves holds the rest of the rule)."""
     calls = []
     monkeypatch.setattr(hopper_backward, "backward", lambda *a: calls.append(1) or fused(*a))
     q, k, v = make_qkv(2, 8, 8 // group, Nq, Nk, D, dtype, device="cuda", layout="bnhd")
