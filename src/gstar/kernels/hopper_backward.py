@@ -55,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ..pattern import Pattern, cdiv
 from . import descriptors, schedule
 from .backward import _sum_partials
-from .hopper import _descriptor, _full_or_causal, _on_hopper, _operand, _ring_barriers, _ring_load, _tma_load
+from .hopper import LOG2E, _descriptor, _full_or_causal, _on_hopper, _operand, _ring_barriers, _ring_load, _tma_load
 from .launch import constexprs, launch
 from .ranges import kv_range, q_range, visible
 
@@ -265,7 +265,7 @@ def _consumer(DK, DV, Lse2, Delta, Sinks, Shares, shared, b, hkv, part, h_first,
         pdp_sum = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))  # (64,) per key
         sink2 = 0.0
         if Sinks is not None:
-            sink2 = gl.load(Sinks + h) * 1.4426950408889634  # base 2, as Lse2
+            sink2 = gl.load(Sinks + h) * LOG2E  # base 2, as Lse2
         for segment in gl.static_range(3):  # masked edge, unmasked interior, masked edge
             lo = starts[segment]
             hi = starts[segment + 1]
