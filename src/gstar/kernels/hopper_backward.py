@@ -11,7 +11,8 @@ unmasked interior). One producer warp copies K and V once, then each step's Q an
 ``STAGES`` slots (TMA), each copy completing on its slot's ``ready`` barrier. Each of two consumer
 warpgroups owns 64 of the tile's keys and keeps their dK, dV accumulators in registers; per step it
 
-1. issues ``S^T = K Q^T`` and ``dP^T = V dO^T`` (keys x queries, operands in shared memory),
+1. issues ``S^T = K Q^T`` and ``dP^T = V dO^T`` (keys x queries; K and V from registers at D = 64, from
+   shared memory at D = 128),
 2. turns the scores into ``P^T`` (the forward's base-2 LSE, the rule's mask on the edge tiles) while dP^T
    runs, issues ``dV += P^T dO``, then forms ``dS^T = P^T (dP^T - delta)`` and issues ``dK += dS^T Q``,
 3. writes dS^T into its half of a shared (128 keys x 64 queries) tile and arrives at ``ds_ready``.
@@ -164,12 +165,13 @@ def _writer(dqa_desc, Counts, shared, batch, h_first, tile, m_start, n_m, Nq, Nk
 
 
 @gluon.jit
-def _steps(k, v, k_other, shared, dk, dv, pdp_sum, lo, hi, it0, half, keys, s_zero, dq_zero, Lse2, Delta, sink2,
-           qk_scale, scale, row_base, Nq, Nk, right, HAS_RIGHT: gl.constexpr, MASKED: gl.constexpr,
+def _steps(k_op, v_op, k, k_other, shared, dk, dv, pdp_sum, lo, hi, it0, half, keys, s_zero, dq_zero, Lse2, Delta,
+           sink2, qk_scale, scale, row_base, Nq, Nk, right, HAS_RIGHT: gl.constexpr, MASKED: gl.constexpr,
            HAS_SINKS: gl.constexpr):
     """Q tiles ``[lo, hi)`` of one query head (steps ``it0 ..``): adds each one's share to this warpgroup's
-    dk, dv (64, D) float32 and, on its turns, stages the step's dQ for the writer. k, v: this
-    warpgroup's 64 keys in shared memory, k_other: the other's; keys: their positions (64,); row_base:
+    dk, dv (64, D) float32 and, on its turns, stages the step's dQ for the writer. k_op, v_op: this
+    warpgroup's 64 keys as the A operands of S^T and dP^T (registers or shared memory, :func:`_consumer`); k:
+    its keys in shared memory (dQ's B operand), k_other: the other's; keys: their positions (64,); row_base:
     Lse2's and Delta's offset of the head's row 0. HAS_SINKS: pdp_sum (64,) float32 also gathers, per key,
     ``P * dP`` weighted by each row's sink probability ``exp2(sink2 - lse2)`` (sink2: the head's base-2 sink
     logit), the rows' dsinks terms."""
@@ -186,9 +188,9 @@ def _steps(k, v, k_other, shared, dk, dv, pdp_sum, lo, hi, it0, half, keys, s_ze
         q = q_smem.index(slot).reshape([ROWS, HEAD_DIM])    # (64 queries, D)
         do = do_smem.index(slot).reshape([ROWS, HEAD_DIM])  # (64 queries, D)
         mbarrier.wait(q_ready.index(slot), phase)
-        s_t = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)    # (64 keys, 64 queries)
+        s_t = warpgroup_mma(k_op, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)    # (64 keys, 64 queries)
         mbarrier.wait(do_ready.index(slot), phase)
-        dp_t = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # (64 keys, 64 queries)
+        dp_t = warpgroup_mma(v_op, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # (64 keys, 64 queries)
         # the rows' statistics, one register each until the scores land (then one per score column)
         rows = m * ROWS + gl.arange(0, ROWS, layout=row_layout)  # (64,) query positions
         lse2 = gl.load(Lse2 + row_base + rows, mask=rows < Nq, other=float("inf"))  # past Nq: zero weight
@@ -258,6 +260,16 @@ def _consumer(DK, DV, Lse2, Delta, Sinks, Shares, shared, b, hkv, part, h_first,
     key0 = tile * BLOCK_N
     keys = key0 + half * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (64,)
     mbarrier.wait(kv_ready, 0)
+    # S^T's and dP^T's A operands. A 64 x 64 product with both in shared memory reads 128 bytes a clock, all the
+    # SM's shared-memory bandwidth, so at D = 64 (32 registers) K and V come from registers: 3-4% faster (NOTES,
+    # 'K and V in registers at head dim 64'); D = 128's would spill
+    if HEAD_DIM <= 64:
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+        k_op = k.load(op_layout)  # (64 keys, D)
+        v_op = v.load(op_layout)
+    else:
+        k_op = k
+        v_op = v
     for g in range(HEADS):
         h = h_first + g
         row_base = (b * gl.num_programs(1) * HEADS + h) * Nq  # (B, Hq, Nq) row 0 of head h
@@ -269,9 +281,9 @@ def _consumer(DK, DV, Lse2, Delta, Sinks, Shares, shared, b, hkv, part, h_first,
         for segment in gl.static_range(3):  # masked edge, unmasked interior, masked edge
             lo = starts[segment]
             hi = starts[segment + 1]
-            dk, dv, pdp_sum = _steps(k, v, k_other, shared, dk, dv, pdp_sum, lo, hi, it + lo - starts[0], half, keys,
-                                     s_zero, dq_zero, Lse2, Delta, sink2, qk_scale, scale, row_base, Nq, Nk, right,
-                                     HAS_RIGHT, segment != 1, Sinks is not None)
+            dk, dv, pdp_sum = _steps(k_op, v_op, k, k_other, shared, dk, dv, pdp_sum, lo, hi, it + lo - starts[0],
+                                     half, keys, s_zero, dq_zero, Lse2, Delta, sink2, qk_scale, scale, row_base, Nq,
+                                     Nk, right, HAS_RIGHT, segment != 1, Sinks is not None)
         if Sinks is not None:
             gl.store(Shares + ((b * gl.num_programs(0) + tile) * 2 + half) * (gl.num_programs(1) * HEADS) + h,
                      gl.sum(pdp_sum, axis=0))
