@@ -11,8 +11,8 @@ unmasked interior). One producer warp copies K and V once, then each step's Q an
 ``STAGES`` slots (TMA), each copy completing on its slot's ``ready`` barrier. Each of two consumer
 warpgroups owns 64 of the tile's keys and keeps their dK, dV accumulators in registers; per step it
 
-1. issues ``S^T = K Q^T`` and ``dP^T = V dO^T`` (keys x queries; K and V from registers at D = 64, from
-   shared memory at D = 128),
+1. issues ``S^T = K Q^T`` and ``dP^T = V dO^T`` (keys x queries; K and V from registers at D = 64 without
+   learned sinks, else from shared memory),
 2. turns the scores into ``P^T`` (the forward's base-2 LSE, the rule's mask on the edge tiles) while dP^T
    runs, issues ``dV += P^T dO``, then forms ``dS^T = P^T (dP^T - delta)`` and issues ``dK += dS^T Q``,
 3. writes dS^T into its half of a shared (128 keys x 64 queries) tile and arrives at ``ds_ready``.
@@ -261,9 +261,10 @@ def _consumer(DK, DV, Lse2, Delta, Sinks, Shares, shared, b, hkv, part, h_first,
     keys = key0 + half * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (64,)
     mbarrier.wait(kv_ready, 0)
     # S^T's and dP^T's A operands. A 64 x 64 product with both in shared memory reads 128 bytes a clock, all the
-    # SM's shared-memory bandwidth, so at D = 64 (32 registers) K and V come from registers: 3-4% faster (NOTES,
-    # 'K and V in registers at head dim 64'); D = 128's would spill
-    if HEAD_DIM <= 64:
+    # SM's shared-memory bandwidth, so at D = 64 (32 registers) K and V come from registers: 3-4% faster. Not
+    # with learned sinks (their sum's registers leave no room: 0.6% slower) nor at D = 128 (it would spill)
+    # (NOTES, 'K and V in registers at head dim 64')
+    if HEAD_DIM <= 64 and Sinks is None:
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
         k_op = k.load(op_layout)  # (64 keys, D)
         v_op = v.load(op_layout)
