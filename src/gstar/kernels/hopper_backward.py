@@ -41,8 +41,6 @@ zeroes the accumulator, launches this kernel, sums dK, dV over the group's parts
 into dQ.
 """
 
-from __future__ import annotations
-
 import math
 
 import torch
@@ -50,6 +48,8 @@ from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon._runtime import constexpr_function
+from triton.language.core import _aggregate as aggregate  # named bundles of values, as Triton's own Gluon code
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
@@ -87,6 +87,37 @@ _tma_add = getattr(tma, "async_atomic_add", None) or _tma_add_3_6
 _sync_warpgroup = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
+@aggregate
+class Shared:
+    """A program's shared memory, by name. Tiles: ``k``, ``v`` (128 keys x D), the rings ``q``, ``do``
+    (STAGES x 64 queries x D), ``ds`` (dS^T, 2 x 128 keys x 64 queries, by step parity), ``dq`` (2 x 64 x D
+    float32 staging tiles, by consumer). Barriers (docs/hopper.md's table): ``kv_ready``; ``q_ready``,
+    ``q_empty``, ``do_ready``, ``do_empty`` per ring slot; ``ds_ready`` per parity; ``dq_staged``, ``dq_free``
+    per staging tile."""
+    k: gl.shared_memory_descriptor
+    v: gl.shared_memory_descriptor
+    q: gl.shared_memory_descriptor
+    do: gl.shared_memory_descriptor
+    ds: gl.shared_memory_descriptor
+    dq: gl.shared_memory_descriptor
+    kv_ready: gl.shared_memory_descriptor
+    q_ready: gl.shared_memory_descriptor
+    q_empty: gl.shared_memory_descriptor
+    do_ready: gl.shared_memory_descriptor
+    do_empty: gl.shared_memory_descriptor
+    ds_ready: gl.shared_memory_descriptor
+    dq_staged: gl.shared_memory_descriptor
+    dq_free: gl.shared_memory_descriptor
+
+    @constexpr_function
+    def __init__(self, k, v, q, do, ds, dq, kv_ready, q_ready, q_empty, do_ready, do_empty, ds_ready, dq_staged,
+                 dq_free):
+        self.k, self.v, self.q, self.do, self.ds, self.dq = k, v, q, do, ds, dq
+        self.kv_ready, self.q_ready, self.q_empty, self.do_ready, self.do_empty = (kv_ready, q_ready, q_empty,
+                                                                                   do_ready, do_empty)
+        self.ds_ready, self.dq_staged, self.dq_free = ds_ready, dq_staged, dq_free
+
+
 @gluon.jit
 def _last_tile(m, Nq, Nk, right, HAS_RIGHT: gl.constexpr):
     """The last 128-key tile that Q tile ``m`` sees (causal, or full): tiles ``0 ..`` it each add into its
@@ -120,15 +151,13 @@ def _release_count(count, PENDING: gl.constexpr):
 def _producer(q_desc, k_desc, v_desc, do_desc, shared, batch, hkv, h_first, key0, m_start, n_m, HEADS: gl.constexpr):
     """One warp: K and V, then Q and dO of every step into slot ``step % STAGES`` of their rings. Step ``it``
     is query head ``h_first + it // n_m``, Q tile ``m_start + it % n_m``."""
-    (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
-     ds_ready, dq_staged, dq_free) = shared
-    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    _tma_load(k_desc, [batch, hkv, key0, 0], kv_ready, k_smem)
-    _tma_load(v_desc, [batch, hkv, key0, 0], kv_ready, v_smem)
+    mbarrier.expect(shared.kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    _tma_load(k_desc, [batch, hkv, key0, 0], shared.kv_ready, shared.k)
+    _tma_load(v_desc, [batch, hkv, key0, 0], shared.kv_ready, shared.v)
     for it in range(HEADS * n_m):
         coord = [batch, h_first + it // n_m, (m_start + it % n_m) * ROWS, 0]
-        _ring_load(q_desc, coord, q_smem, q_ready, q_empty, it)
-        _ring_load(do_desc, coord, do_smem, do_ready, do_empty, it)
+        _ring_load(q_desc, coord, shared.q, shared.q_ready, shared.q_empty, it)
+        _ring_load(do_desc, coord, shared.do, shared.do_ready, shared.do_empty, it)
 
 
 @gluon.jit
@@ -141,23 +170,21 @@ def _writer(dqa_desc, Counts, shared, batch, h_first, tile, m_start, n_m, Nq, Nk
     until its tile's count shows every later KV tile's add, and counts its own add once it is complete:
     at once, or with COUNT_LATE once it has issued the next add (the last at the end), so that the wait for
     completion overlaps that add."""
-    (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
-     ds_ready, dq_staged, dq_free) = shared
     n_q_tiles = gl.cdiv(Nq, ROWS)
     count = Counts
     for it in range(HEADS * n_m):
         h = h_first + it // n_m
         m = m_start + it % n_m
-        mbarrier.wait(dq_staged.index(it % 2), (it // 2) & 1)
+        mbarrier.wait(shared.dq_staged.index(it % 2), (it // 2) & 1)
         if ORDERED:
             done = count
             count = Counts + (batch * gl.num_programs(1) * HEADS + h) * n_q_tiles + m
             _wait_count(count, (_last_tile(m, Nq, Nk, right, HAS_RIGHT) - tile) * WRITER)
-        _tma_add(dqa_desc, [batch, h, m * ROWS, 0], dq_smem.index(it % 2))  # rows past Nq are clipped
+        _tma_add(dqa_desc, [batch, h, m * ROWS, 0], shared.dq.index(it % 2))  # rows past Nq are clipped
         if COUNT_LATE and it > 0:
             _release_count(done, 1)
         tma.store_wait(0)
-        mbarrier.arrive(dq_free.index(it % 2), count=1)
+        mbarrier.arrive(shared.dq_free.index(it % 2), count=1)
         if ORDERED and not COUNT_LATE:
             _release_count(count, 0)
     if COUNT_LATE and HEADS * n_m > 0:
@@ -175,21 +202,19 @@ def _steps(k_op, v_op, k, k_other, shared, dk, dv, pdp_sum, lo, hi, it0, half, k
     Lse2's and Delta's offset of the head's row 0. HAS_SINKS: pdp_sum (64,) float32 also gathers, per key,
     ``P * dP`` weighted by each row's sink probability ``exp2(sink2 - lse2)`` (sink2: the head's base-2 sink
     logit), the rows' dsinks terms."""
-    (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
-     ds_ready, dq_staged, dq_free) = shared
     HEAD_DIM: gl.constexpr = k.shape[1]
     col_layout: gl.constexpr = gl.SliceLayout(0, s_zero.type.layout)
     row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    dq_tile = dq_smem.index(half).reshape([ROWS, HEAD_DIM])  # (64 queries, D) float32
+    dq_tile = shared.dq.index(half).reshape([ROWS, HEAD_DIM])  # (64 queries, D) float32
     for m in range(lo, hi):
         it = it0 + m - lo
         slot = it % STAGES
         phase = (it // STAGES) & 1
-        q = q_smem.index(slot).reshape([ROWS, HEAD_DIM])    # (64 queries, D)
-        do = do_smem.index(slot).reshape([ROWS, HEAD_DIM])  # (64 queries, D)
-        mbarrier.wait(q_ready.index(slot), phase)
+        q = shared.q.index(slot).reshape([ROWS, HEAD_DIM])    # (64 queries, D)
+        do = shared.do.index(slot).reshape([ROWS, HEAD_DIM])  # (64 queries, D)
+        mbarrier.wait(shared.q_ready.index(slot), phase)
         s_t = warpgroup_mma(k_op, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)    # (64 keys, 64 queries)
-        mbarrier.wait(do_ready.index(slot), phase)
+        mbarrier.wait(shared.do_ready.index(slot), phase)
         dp_t = warpgroup_mma(v_op, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # (64 keys, 64 queries)
         # the rows' statistics, one register each until the scores land (then one per score column)
         rows = m * ROWS + gl.arange(0, ROWS, layout=row_layout)  # (64,) query positions
@@ -212,27 +237,27 @@ def _steps(k_op, v_op, k, k_other, shared, dk, dv, pdp_sum, lo, hi, it0, half, k
             ds_t = p_t * (dp_t - gl.convert_layout(delta, col_layout)[None, :])
         dk = warpgroup_mma(_operand(ds_t, dk, q.dtype), q, dk, is_async=True)
         # this warpgroup's dS^T rows into the shared tile; the other's arrive completes the barrier
-        ds = ds_smem.index(it % 2)
+        ds = shared.ds.index(it % 2)
         ds.slice(half * ROWS, ROWS, dim=0).store(ds_t.to(q.dtype))
         fence_async_shared()
         _sync_warpgroup()
-        mbarrier.arrive(ds_ready.index(it % 2), count=1)
+        mbarrier.arrive(shared.ds_ready.index(it % 2), count=1)
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
         if it % 2 == half:  # this warpgroup's turn: dQ over all 128 keys, while the other runs ahead
             own = ds.slice(half * ROWS, ROWS, dim=0).permute((1, 0))       # (64 queries, its 64 keys)
             dq = warpgroup_mma(own, k, dq_zero, use_acc=False, is_async=True)  # (64 queries, D)
-            mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
+            mbarrier.wait(shared.ds_ready.index(it % 2), (it // 2) & 1)
             other = ds.slice((1 - half) * ROWS, ROWS, dim=0).permute((1, 0))
             dq = warpgroup_mma(other, k_other, dq, is_async=True)
             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
             # into the staging tile once the writer's last add from it has read it; the writer adds it to dQ
-            mbarrier.wait(dq_free.index(half), ((it // 2) & 1) ^ 1)
+            mbarrier.wait(shared.dq_free.index(half), ((it // 2) & 1) ^ 1)
             dq_tile.store(dq * scale)
             fence_async_shared()
             _sync_warpgroup()
-            mbarrier.arrive(dq_staged.index(half), count=1)
-        mbarrier.arrive(q_empty.index(slot), count=1)
-        mbarrier.arrive(do_empty.index(slot), count=1)
+            mbarrier.arrive(shared.dq_staged.index(half), count=1)
+        mbarrier.arrive(shared.q_empty.index(slot), count=1)
+        mbarrier.arrive(shared.do_empty.index(slot), count=1)
     return dk, dv, pdp_sum
 
 
@@ -244,8 +269,6 @@ def _consumer(DK, DV, Lse2, Delta, Sinks, Shares, shared, b, hkv, part, h_first,
     rows of DK and DV (of part ``part``). starts: ``(m_start, full_start, full_end, m_end)`` of
     :func:`q_range`. With learned sinks (Sinks: (Hq,) float32, else None) it stores each head's sum of
     ``exp(sinks - lse) * P * dP`` over its keys to Shares (B, n_tiles, 2, Hq) float32."""
-    (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
-     ds_ready, dq_staged, dq_free) = shared
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, ROWS, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -254,12 +277,12 @@ def _consumer(DK, DV, Lse2, Delta, Sinks, Shares, shared, b, hkv, part, h_first,
     dq_zero = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)    # (64 queries, D)
     dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)          # (64 keys, D)
     dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
-    k = k_smem.reshape([BLOCK_N, HEAD_DIM]).slice(half * ROWS, ROWS, dim=0)  # (64 keys, D)
-    v = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(half * ROWS, ROWS, dim=0)
-    k_other = k_smem.reshape([BLOCK_N, HEAD_DIM]).slice((1 - half) * ROWS, ROWS, dim=0)  # the other's keys
+    k = shared.k.reshape([BLOCK_N, HEAD_DIM]).slice(half * ROWS, ROWS, dim=0)  # (64 keys, D)
+    v = shared.v.reshape([BLOCK_N, HEAD_DIM]).slice(half * ROWS, ROWS, dim=0)
+    k_other = shared.k.reshape([BLOCK_N, HEAD_DIM]).slice((1 - half) * ROWS, ROWS, dim=0)  # the other's keys
     key0 = tile * BLOCK_N
     keys = key0 + half * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (64,)
-    mbarrier.wait(kv_ready, 0)
+    mbarrier.wait(shared.kv_ready, 0)
     # S^T's and dP^T's A operands. A 64 x 64 product with both in shared memory reads 128 bytes a clock, all the
     # SM's shared-memory bandwidth, so at D = 64 (32 registers) K and V come from registers: 3-4% faster. Not
     # with learned sinks (their sum's registers leave no room: 0.6% slower) nor at D = 128 (it would spill)
@@ -346,8 +369,9 @@ def _backward_kernel(q_desc, k_desc, v_desc, do_desc, dqa_desc, DK, DV, Lse2, De
         mbarrier.init(dq_staged.index(parity), count=1)  # a step's dQ staged in buffer parity
         mbarrier.init(dq_free.index(parity), count=1)  # its add has read it
 
-    shared = (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
-              ds_ready, dq_staged, dq_free)
+    shared = Shared(k=k_smem, v=v_smem, q=q_smem, do=do_smem, ds=ds_smem, dq=dq_smem, kv_ready=kv_ready,
+                    q_ready=q_ready, q_empty=q_empty, do_ready=do_ready, do_empty=do_empty, ds_ready=ds_ready,
+                    dq_staged=dq_staged, dq_free=dq_free)
     starts = (m_start, full_start, full_end, m_end)
     gl.warp_specialize([
         (_consumer, (DK, DV, Lse2, Delta, Sinks, Shares, shared, b, hkv, part, h_first, tile, 0, starts, n_m, Nq,
