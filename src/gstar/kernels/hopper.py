@@ -27,8 +27,6 @@ on causal rows with few keys, which bfloat16's 8 bits keep. ``FP8_HEAD_DIMS`` sa
 portable kernel's FP8 path.
 """
 
-from __future__ import annotations
-
 import functools
 import math
 
@@ -36,9 +34,11 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import constexpr_function
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.core import _aggregate as aggregate  # named bundles of values, as Triton's own Gluon code
 
 from ..fp8 import FP8
 from ..pattern import Pattern, cdiv
@@ -68,6 +68,30 @@ VERIFIED = triton.__version__.startswith("3.6.")
 # the TMA copies under their names since Triton 3.7 (async_load / async_store) or before
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+
+@aggregate
+class Shared:
+    """A program's shared memory, by name. Tiles: ``q`` (pairs of 64-row halves, one pair per Q slot), ``k``,
+    ``v`` (rings of STAGES blocks of BLOCK_N x D), ``o`` (the output's halves: ``q`` itself, or FP8's pair of
+    its own). Barriers: ``q_ready``, ``q_empty`` per Q slot; ``k_ready``, ``k_empty``, ``v_ready``, ``v_empty``
+    per ring slot (:func:`_ring_barriers`)."""
+    q: gl.shared_memory_descriptor
+    k: gl.shared_memory_descriptor
+    v: gl.shared_memory_descriptor
+    o: gl.shared_memory_descriptor
+    q_ready: gl.shared_memory_descriptor
+    q_empty: gl.shared_memory_descriptor
+    k_ready: gl.shared_memory_descriptor
+    k_empty: gl.shared_memory_descriptor
+    v_ready: gl.shared_memory_descriptor
+    v_empty: gl.shared_memory_descriptor
+
+    @constexpr_function
+    def __init__(self, q, k, v, o, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty):
+        self.q, self.k, self.v, self.o = q, k, v, o
+        self.q_ready, self.q_empty = q_ready, q_empty
+        self.k_ready, self.k_empty, self.v_ready, self.v_empty = k_ready, k_empty, v_ready, v_empty
 
 
 @gluon.jit
@@ -161,20 +185,19 @@ def _produce(item, c, t, args, flags: gl.constexpr):
     q_desc, k_desc, v_desc, shared, group, pattern = args
     HAS_LEFT: gl.constexpr = flags[0]
     HAS_RIGHT: gl.constexpr = flags[1]
-    q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = shared
     left, right, sink_tokens = pattern
     _, batch, b, h, row0, q_start, Nq, k_start, Nk = item
-    slot = t % q_ready.shape[0]
-    mbarrier.wait(q_empty.index(slot), ((t // q_ready.shape[0]) & 1) ^ 1)
-    mbarrier.expect(q_ready.index(slot), 2 * q_desc.block_type.nbytes)
-    _tma_load(q_desc, [batch, h, q_start + row0, 0], q_ready.index(slot), q_smem.index(2 * slot))
-    _tma_load(q_desc, [batch, h, q_start + row0 + ROWS, 0], q_ready.index(slot), q_smem.index(2 * slot + 1))
+    slot = t % shared.q_ready.shape[0]
+    mbarrier.wait(shared.q_empty.index(slot), ((t // shared.q_ready.shape[0]) & 1) ^ 1)
+    mbarrier.expect(shared.q_ready.index(slot), 2 * q_desc.block_type.nbytes)
+    _tma_load(q_desc, [batch, h, q_start + row0, 0], shared.q_ready.index(slot), shared.q.index(2 * slot))
+    _tma_load(q_desc, [batch, h, q_start + row0 + ROWS, 0], shared.q_ready.index(slot), shared.q.index(2 * slot + 1))
     n_sink, band_start, lead_end, full_end, n = _block_range(row0, Nq, Nk, left, right, sink_tokens,
                                                              HAS_LEFT, HAS_RIGHT)
     for i in range(n):
         start = k_start + gl.where(i < n_sink, i, i - n_sink + band_start) * BLOCK_N
-        _ring_load(k_desc, [batch, h // group, start, 0], k_smem, k_ready, k_empty, c + i)
-        _ring_load(v_desc, [batch, h // group, start, 0], v_smem, v_ready, v_empty, c + i)
+        _ring_load(k_desc, [batch, h // group, start, 0], shared.k, shared.k_ready, shared.k_empty, c + i)
+        _ring_load(v_desc, [batch, h // group, start, 0], shared.v, shared.v_ready, shared.v_empty, c + i)
     return n
 
 
@@ -203,25 +226,25 @@ def _walk(item_fn: gl.constexpr, args, flags: gl.constexpr, walk, PERSISTENT: gl
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, shared, walk, group, pattern, HAS_LEFT: gl.constexpr,
               HAS_RIGHT: gl.constexpr, PERSISTENT: gl.constexpr):
-    """One warp: every work item of the program (:func:`_produce`). shared: the kernel's buffers and barriers;
-    walk: :func:`_work_item`'s; pattern: ``(left, right, sink_tokens)``."""
+    """One warp: every work item of the program (:func:`_produce`). walk: :func:`_work_item`'s; pattern:
+    ``(left, right, sink_tokens)``."""
     _walk(_produce, (q_desc, k_desc, v_desc, shared, group, pattern), gl.constexpr((HAS_LEFT, HAS_RIGHT)), walk,
           PERSISTENT)
 
 
 @gluon.jit
-def _issue_scores(q, k_smem, k_ready, i, s_zero):
+def _issue_scores(q, shared, i, s_zero):
     """Start step i's ``Q K^T`` (64, BLOCK_N) once its K has landed; returns the product in flight."""
-    mbarrier.wait(k_ready.index(i % STAGES), (i // STAGES) & 1)
-    k = k_smem.index(i % STAGES).reshape([k_smem.shape[3], k_smem.shape[4]])  # (BLOCK_N, D)
+    mbarrier.wait(shared.k_ready.index(i % STAGES), (i // STAGES) & 1)
+    k = shared.k.index(i % STAGES).reshape([shared.k.shape[3], shared.k.shape[4]])  # (BLOCK_N, D)
     return warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
 
 
 @gluon.jit
-def _issue_values(p, acc, v_smem, v_ready, i):
+def _issue_values(p, acc, shared, i):
     """Start ``acc += P V`` of step i once its V has landed; returns the accumulator in flight."""
-    mbarrier.wait(v_ready.index(i % STAGES), (i // STAGES) & 1)
-    v = v_smem.index(i % STAGES).reshape([v_smem.shape[3], v_smem.shape[4]])  # (BLOCK_N, D)
+    mbarrier.wait(shared.v_ready.index(i % STAGES), (i // STAGES) & 1)
+    v = shared.v.index(i % STAGES).reshape([shared.v.shape[3], shared.v.shape[4]])  # (BLOCK_N, D)
     return warpgroup_mma(p, v, acc, is_async=True)
 
 
@@ -234,37 +257,36 @@ def _operand(p, acc, dtype: gl.constexpr):
 
 
 @gluon.jit
-def _steps(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, c, lo, hi, n_sink, band_start, acc, m_i, l_i,
-           p, rows, s_zero, qk_scale, Nq, Nk, left, right, sink_tokens,
-           HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK_TOKENS: gl.constexpr, MASKED: gl.constexpr,
-           MAY_BE_EMPTY: gl.constexpr, DTYPE: gl.constexpr):
+def _steps(q, shared, c, lo, hi, n_sink, band_start, acc, m_i, l_i, p, rows, s_zero, qk_scale, Nq, Nk, left, right,
+           sink_tokens, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK_TOKENS: gl.constexpr,
+           MASKED: gl.constexpr, MAY_BE_EMPTY: gl.constexpr):
     """Steps ``[lo, hi)`` of a work item whose step 0 is the program's step ``c`` (the rings' index), each
     ``i`` entered with step i-1's weights ``p`` (float32, not yet multiplied): issue ``Q K_i^T``, then
-    ``P_{i-1} V_{i-1}`` (P in ``DTYPE``, V's); wait for the scores alone (one group may stay in flight), free
+    ``P_{i-1} V_{i-1}`` (P in V's dtype); wait for the scores alone (one group may stay in flight), free
     K_i, run the softmax while the product runs, wait for it, free V_{i-1}, rescale the accumulator."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s_zero.type.layout)
     acc_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     for i in range(lo, hi):
-        s = _issue_scores(q, k_smem, k_ready, c + i, s_zero)
-        acc = _issue_values(_operand(p, acc, DTYPE), acc, v_smem, v_ready, c + i - 1)
+        s = _issue_scores(q, shared, c + i, s_zero)
+        acc = _issue_values(_operand(p, acc, shared.v.dtype), acc, shared, c + i - 1)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
-        mbarrier.arrive(k_empty.index((c + i) % STAGES), count=1)
+        mbarrier.arrive(shared.k_empty.index((c + i) % STAGES), count=1)
         block = gl.where(i < n_sink, i, i - n_sink + band_start)
         cols = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, rows, cols, qk_scale, Nq, Nk, left, right, sink_tokens,
                                           HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, MASKED, MAY_BE_EMPTY)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(v_empty.index((c + i - 1) % STAGES), count=1)
+        mbarrier.arrive(shared.v_empty.index((c + i - 1) % STAGES), count=1)
         acc = acc * gl.convert_layout(alpha, acc_rows)[:, None]
     return acc, m_i, l_i, p
 
 
 @gluon.jit
-def _free_last_output(t, q_empty):
+def _free_last_output(t, shared):
     """Item t-1's output has left its Q slot (the TMA store read it): the producer may refill the slot."""
     if t > 0:
         tma.store_wait(0)
-        mbarrier.arrive(q_empty.index((t - 1) % q_empty.shape[0]), count=1)
+        mbarrier.arrive(shared.q_empty.index((t - 1) % shared.q_empty.shape[0]), count=1)
 
 
 @gluon.jit
@@ -282,10 +304,9 @@ def _tile(item, c, t, args, flags: gl.constexpr):
     HAS_SINK_TOKENS: gl.constexpr = flags[2]
     HEAD_DIM: gl.constexpr = flags[3]
     half: gl.constexpr = flags[4]
-    q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = shared
     left, right, sink_tokens = pattern
     _, batch, b, h, row0, q_start, Nq, k_start, Nk = item
-    K_STEP: gl.constexpr = 256 // q_smem.dtype.primitive_bitwidth  # what one wgmma reduces: 32 bytes
+    K_STEP: gl.constexpr = 256 // shared.q.dtype.primitive_bitwidth  # what one wgmma reduces: 32 bytes
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, K_STEP])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -296,7 +317,8 @@ def _tile(item, c, t, args, flags: gl.constexpr):
     qk_scale, _ = load_descales(Descale, b, h // group, stride_ds, qk_scale)  # FP8: q's and k's join the scale
     n_sink, band_start, lead_end, full_end, n = _block_range(row0, Nq, Nk, left, right, sink_tokens,
                                                              HAS_LEFT, HAS_RIGHT)
-    q = q_smem.index(2 * (t % q_ready.shape[0]) + half).reshape([ROWS, HEAD_DIM])
+    Q_SLOTS: gl.constexpr = shared.q_ready.shape[0]
+    q = shared.q.index(2 * (t % Q_SLOTS) + half).reshape([ROWS, HEAD_DIM])
     rows = row0 + half * ROWS + gl.arange(0, ROWS, layout=row_layout)  # (64,) query positions
     if Sinks is not None:  # exp2(m) * l = exp(sink): the sink starts the sum, with no value to carry
         m_i = gl.load(Sinks + h + rows * 0) * LOG2E
@@ -306,13 +328,13 @@ def _tile(item, c, t, args, flags: gl.constexpr):
         l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_layout)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)  # (64, D)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)  # (64, BLOCK_N)
-    mbarrier.wait(q_ready.index(t % q_ready.shape[0]), (t // q_ready.shape[0]) & 1)
+    mbarrier.wait(shared.q_ready.index(t % Q_SLOTS), (t // Q_SLOTS) & 1)
     if n > 0:
         # step 0 alone (masked): every later step issues its scores ahead of the last step's P V
-        s = _issue_scores(q, k_smem, k_ready, c, s_zero)
+        s = _issue_scores(q, shared, c, s_zero)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        mbarrier.arrive(k_empty.index(c % STAGES), count=1)
-        _free_last_output(t, q_empty)  # here, under nothing in flight, and long after that store began
+        mbarrier.arrive(shared.k_empty.index(c % STAGES), count=1)
+        _free_last_output(t, shared)  # here, under nothing in flight, and long after that store began
         first = gl.where(n_sink > 0, 0, band_start)
         cols = first * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, rows, cols, qk_scale, Nq, Nk, left, right, sink_tokens,
@@ -320,16 +342,14 @@ def _tile(item, c, t, args, flags: gl.constexpr):
         # the sink-token blocks and the band's leading edge, its interior, its trailing edge
         bounds = (1, lead_end, full_end, n)
         for segment in gl.static_range(3):
-            acc, m_i, l_i, p = _steps(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, c,
-                                      gl.maximum(bounds[segment], 1), bounds[segment + 1], n_sink, band_start,
-                                      acc, m_i, l_i, p, rows, s_zero, qk_scale, Nq, Nk, left, right, sink_tokens,
-                                      HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, segment != 1, MAY_BE_EMPTY,
-                                      v_smem.dtype)
-        acc = _issue_values(_operand(p, acc, v_smem.dtype), acc, v_smem, v_ready, c + n - 1)
+            acc, m_i, l_i, p = _steps(q, shared, c, gl.maximum(bounds[segment], 1), bounds[segment + 1], n_sink,
+                                      band_start, acc, m_i, l_i, p, rows, s_zero, qk_scale, Nq, Nk, left, right,
+                                      sink_tokens, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, segment != 1, MAY_BE_EMPTY)
+        acc = _issue_values(_operand(p, acc, shared.v.dtype), acc, shared, c + n - 1)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(v_empty.index((c + n - 1) % STAGES), count=1)
+        mbarrier.arrive(shared.v_empty.index((c + n - 1) % STAGES), count=1)
     else:
-        _free_last_output(t, q_empty)
+        _free_last_output(t, shared)
     acc_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     out, lse = finish_state(acc, gl.convert_layout(m_i, acc_rows), gl.convert_layout(l_i, acc_rows))
     if Descale is not None:  # FP8: v's descale, read here rather than held in a register through the loop
@@ -338,8 +358,8 @@ def _tile(item, c, t, args, flags: gl.constexpr):
     rows = gl.convert_layout(rows, acc_rows)
     gl.store(Lse + batch * stride_lse[0] + h * stride_lse[1] + q_start + rows, lse, mask=rows < Nq)
     if Out is None:
-        O_SLOTS: gl.constexpr = o_smem.shape[0] // 2  # pairs of output halves: Q's ring, or FP8's one pair
-        o_slot = o_smem.index(2 * (t % O_SLOTS) + half)
+        O_SLOTS: gl.constexpr = shared.o.shape[0] // 2  # pairs of output halves: Q's ring, or FP8's one pair
+        o_slot = shared.o.index(2 * (t % O_SLOTS) + half)
         o_slot.reshape([ROWS, HEAD_DIM]).store(out.to(o_desc.dtype))
         fence_async_shared()
         _tma_store(o_desc, [batch, h, q_start + row0 + half * ROWS, 0], o_slot)
@@ -398,7 +418,8 @@ def _forward_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sinks, Descale, Cu
     k_ready, k_empty = _ring_barriers(STAGES)
     v_ready, v_empty = _ring_barriers(STAGES)
 
-    shared = (q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
+    shared = Shared(q=q_smem, k=k_smem, v=v_smem, o=o_smem, q_ready=q_ready, q_empty=q_empty, k_ready=k_ready,
+                    k_empty=k_empty, v_ready=v_ready, v_empty=v_empty)
     walk = (CuQ, CuK, Nq, Nk, Hq, n_tiles, seqs)
     pattern = (left, right, sink_tokens)
     # the default partition (this program's 4 warps) and a second 4-warp partition consume; a 1-warp
