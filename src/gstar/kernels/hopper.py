@@ -39,6 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate  # named bundles of values, as Triton's own Gluon code
+from triton.language.core import base_value  # a field that is a tensor in some calls, a constant in others
 
 from ..fp8 import FP8
 from ..pattern import Pattern, cdiv
@@ -94,16 +95,35 @@ class Shared:
         self.k_ready, self.k_empty, self.v_ready, self.v_empty = k_ready, k_empty, v_ready, v_empty
 
 
+@aggregate
+class WorkItem:
+    """One (Q tile, head, sequence) of a program's walk (:func:`_work_item`). ``valid``: false past the last
+    item and on tiles past a packed sequence's end; ``b``: the sequence; ``batch``: the descriptors' first
+    coordinate (0 when packed); ``h``: the query head; ``row0``: the tile's first row in the sequence; ``Nq``,
+    ``Nk``: the sequence's lengths; ``q_start``, ``k_start``: its first rows (0 unless packed)."""
+    valid: base_value
+    batch: base_value
+    b: base_value
+    h: base_value
+    row0: base_value
+    q_start: base_value
+    Nq: base_value
+    k_start: base_value
+    Nk: base_value
+
+    @constexpr_function
+    def __init__(self, valid, batch, b, h, row0, q_start, Nq, k_start, Nk):
+        self.valid, self.batch, self.b, self.h, self.row0 = valid, batch, b, h, row0
+        self.q_start, self.Nq, self.k_start, self.Nk = q_start, Nq, k_start, Nk
+
+
 @gluon.jit
 def _work_item(r, walk, TILES_FASTEST: gl.constexpr, PERSISTENT: gl.constexpr):
-    """This program's item of round ``r``: ``(valid, batch, b, h, row0, q_start, Nq, k_start, Nk)``. The
-    items, (tile, head, sequence) triples, run sequence by sequence, longest tile first, tiles or heads
-    fastest as :func:`tiles_fastest` says (a sequence's K/V stays in L2 while its items run). PERSISTENT:
-    round ``r`` hands items ``r * P .. r * P + P - 1`` to the ``P`` programs, in reverse on odd rounds (a
-    program that took a long item takes a short one next); else the program's own item of the grid.
-    ``valid`` is false past the last item and on tiles past a packed sequence's end; b is the sequence,
-    batch the descriptors' first coordinate (0 when packed); Nq, Nk the sequence's lengths, q_start,
-    k_start its first rows (0 unless packed)."""
+    """This program's :class:`WorkItem` of round ``r``. The items, (tile, head, sequence) triples, run
+    sequence by sequence, longest tile first, tiles or heads fastest as :func:`tiles_fastest` says (a
+    sequence's K/V stays in L2 while its items run). PERSISTENT: round ``r`` hands items ``r * P .. r * P + P
+    - 1`` to the ``P`` programs, in reverse on odd rounds (a program that took a long item takes a short one
+    next); else the program's own item of the grid."""
     CuQ, CuK, Nq, Nk, Hq, n_tiles, seqs = walk
     VARLEN: gl.constexpr = CuQ is not None
     if PERSISTENT:
@@ -133,7 +153,7 @@ def _work_item(r, walk, TILES_FASTEST: gl.constexpr, PERSISTENT: gl.constexpr):
     if VARLEN:
         batch = 0  # one packed batch row; the sequence is found through CuQ and CuK
         valid = valid & (row0 < Nq)  # (a dense batch's tiles all hold rows)
-    return valid, batch, b, h, row0, q_start, Nq, k_start, Nk
+    return WorkItem(valid=valid, batch=batch, b=b, h=h, row0=row0, q_start=q_start, Nq=Nq, k_start=k_start, Nk=Nk)
 
 
 @gluon.jit
@@ -179,23 +199,24 @@ def _ring_load(desc, coord, ring, ready, empty, i):
 
 @gluon.jit
 def _produce(item, c, t, args, flags: gl.constexpr):
-    """Work item t (:func:`_work_item`'s tuple ``item``) whose step 0 is the program's step ``c``: its Q into
+    """Work item t (a :class:`WorkItem`) whose step 0 is the program's step ``c``: its Q into
     slot ``t % slots`` of the Q ring once free, then K and V of its every step into slot ``step % STAGES`` of
     theirs; returns its step count. args, flags: as :func:`_producer` passes them."""
     q_desc, k_desc, v_desc, shared, group, pattern = args
     HAS_LEFT: gl.constexpr = flags[0]
     HAS_RIGHT: gl.constexpr = flags[1]
     left, right, sink_tokens = pattern
-    _, batch, b, h, row0, q_start, Nq, k_start, Nk = item
+    batch, h, row0 = item.batch, item.h, item.row0
     slot = t % shared.q_ready.shape[0]
     mbarrier.wait(shared.q_empty.index(slot), ((t // shared.q_ready.shape[0]) & 1) ^ 1)
     mbarrier.expect(shared.q_ready.index(slot), 2 * q_desc.block_type.nbytes)
-    _tma_load(q_desc, [batch, h, q_start + row0, 0], shared.q_ready.index(slot), shared.q.index(2 * slot))
-    _tma_load(q_desc, [batch, h, q_start + row0 + ROWS, 0], shared.q_ready.index(slot), shared.q.index(2 * slot + 1))
-    n_sink, band_start, lead_end, full_end, n = _block_range(row0, Nq, Nk, left, right, sink_tokens,
+    q_row = item.q_start + row0
+    _tma_load(q_desc, [batch, h, q_row, 0], shared.q_ready.index(slot), shared.q.index(2 * slot))
+    _tma_load(q_desc, [batch, h, q_row + ROWS, 0], shared.q_ready.index(slot), shared.q.index(2 * slot + 1))
+    n_sink, band_start, lead_end, full_end, n = _block_range(row0, item.Nq, item.Nk, left, right, sink_tokens,
                                                              HAS_LEFT, HAS_RIGHT)
     for i in range(n):
-        start = k_start + gl.where(i < n_sink, i, i - n_sink + band_start) * BLOCK_N
+        start = item.k_start + gl.where(i < n_sink, i, i - n_sink + band_start) * BLOCK_N
         _ring_load(k_desc, [batch, h // group, start, 0], shared.k, shared.k_ready, shared.k_empty, c + i)
         _ring_load(v_desc, [batch, h // group, start, 0], shared.v, shared.v_ready, shared.v_empty, c + i)
     return n
@@ -214,12 +235,12 @@ def _walk(item_fn: gl.constexpr, args, flags: gl.constexpr, walk, PERSISTENT: gl
         t = 0
         for r in range(_rounds(walk)):
             item = _work_item(r, walk, TILES_FASTEST, True)
-            if item[0]:
+            if item.valid:
                 c += item_fn(item, c, t, args, flags)
                 t += 1
     else:
         item = _work_item(0, walk, TILES_FASTEST, False)
-        if item[0]:
+        if item.valid:
             item_fn(item, 0, 0, args, flags)
 
 
@@ -291,7 +312,7 @@ def _free_last_output(t, shared):
 
 @gluon.jit
 def _tile(item, c, t, args, flags: gl.constexpr):
-    """One warpgroup's share of work item t (:func:`_work_item`'s tuple ``item``), its step 0 the program's
+    """One warpgroup's share of work item t (a :class:`WorkItem`), its step 0 the program's
     step ``c``: rows ``row0 + half * 64 ...`` of the tile, from Q in slot ``t % slots`` to the output and the
     natural-log LSE; returns the item's step count. Dense (Out None): the output leaves through the
     warpgroup's half of the Q slot (FP8: a slot of its own) and a TMA store, which clips rows past Nq and is
@@ -305,7 +326,7 @@ def _tile(item, c, t, args, flags: gl.constexpr):
     HEAD_DIM: gl.constexpr = flags[3]
     half: gl.constexpr = flags[4]
     left, right, sink_tokens = pattern
-    _, batch, b, h, row0, q_start, Nq, k_start, Nk = item
+    batch, b, h, row0, q_start, Nq, Nk = item.batch, item.b, item.h, item.row0, item.q_start, item.Nq, item.Nk
     K_STEP: gl.constexpr = 256 // shared.q.dtype.primitive_bitwidth  # what one wgmma reduces: 32 bytes
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, K_STEP])
