@@ -117,15 +117,35 @@ class WorkItem:
         self.q_start, self.Nq, self.k_start, self.Nk = q_start, Nq, k_start, Nk
 
 
+@aggregate
+class Walk:
+    """The work items a grid covers: ``n_tiles`` Q tiles of BLOCK_M rows (the longest sequence's, when packed)
+    x ``Hq`` heads x ``seqs`` sequences. Dense: ``CuQ``, ``CuK`` None, every sequence ``Nq`` queries and ``Nk``
+    keys; packed: ``CuQ``, ``CuK`` (seqs + 1,) int32, the sequences' bounds (:func:`sequence_bounds`)."""
+    CuQ: base_value
+    CuK: base_value
+    Nq: base_value
+    Nk: base_value
+    Hq: base_value
+    n_tiles: base_value
+    seqs: base_value
+
+    @constexpr_function
+    def __init__(self, CuQ, CuK, Nq, Nk, Hq, n_tiles, seqs):
+        self.CuQ, self.CuK = (gl.constexpr(None) if cu is None else cu for cu in (CuQ, CuK))  # None: a constant
+        self.Nq, self.Nk = Nq, Nk
+        self.Hq, self.n_tiles, self.seqs = Hq, n_tiles, seqs
+
+
 @gluon.jit
 def _work_item(r, walk, TILES_FASTEST: gl.constexpr, PERSISTENT: gl.constexpr):
-    """This program's :class:`WorkItem` of round ``r``. The items, (tile, head, sequence) triples, run
+    """This program's :class:`WorkItem` of round ``r`` of the :class:`Walk` ``walk``. The items, (tile, head, sequence) triples, run
     sequence by sequence, longest tile first, tiles or heads fastest as :func:`tiles_fastest` says (a
     sequence's K/V stays in L2 while its items run). PERSISTENT: round ``r`` hands items ``r * P .. r * P + P
     - 1`` to the ``P`` programs, in reverse on odd rounds (a program that took a long item takes a short one
     next); else the program's own item of the grid."""
-    CuQ, CuK, Nq, Nk, Hq, n_tiles, seqs = walk
-    VARLEN: gl.constexpr = CuQ is not None
+    Hq, n_tiles, seqs = walk.Hq, walk.n_tiles, walk.seqs
+    VARLEN: gl.constexpr = walk.CuQ is not None
     if PERSISTENT:
         P = gl.num_programs(0)
         w = r * P + gl.where(r % 2 == 0, gl.program_id(0), P - 1 - gl.program_id(0))
@@ -146,8 +166,8 @@ def _work_item(r, walk, TILES_FASTEST: gl.constexpr, PERSISTENT: gl.constexpr):
         tile = gl.num_programs(1 - HEAD_AXIS) - 1 - gl.program_id(1 - HEAD_AXIS)
         b = gl.program_id(2)
         valid = True
-    q_start, Nq = sequence_bounds(CuQ, b, Nq, VARLEN)
-    k_start, Nk = sequence_bounds(CuK, b, Nk, VARLEN)
+    q_start, Nq = sequence_bounds(walk.CuQ, b, walk.Nq, VARLEN)
+    k_start, Nk = sequence_bounds(walk.CuK, b, walk.Nk, VARLEN)
     row0 = tile * BLOCK_M
     batch = b
     if VARLEN:
@@ -158,9 +178,8 @@ def _work_item(r, walk, TILES_FASTEST: gl.constexpr, PERSISTENT: gl.constexpr):
 
 @gluon.jit
 def _rounds(walk):
-    """How many rounds of :func:`_work_item` cover every item."""
-    CuQ, CuK, Nq, Nk, Hq, n_tiles, seqs = walk
-    return gl.cdiv(seqs * Hq * n_tiles, gl.num_programs(0))
+    """How many rounds of :func:`_work_item` cover every item of the :class:`Walk` ``walk``."""
+    return gl.cdiv(walk.seqs * walk.Hq * walk.n_tiles, gl.num_programs(0))
 
 
 @gluon.jit
@@ -247,7 +266,7 @@ def _walk(item_fn: gl.constexpr, args, flags: gl.constexpr, walk, PERSISTENT: gl
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, shared, walk, group, pattern, HAS_LEFT: gl.constexpr,
               HAS_RIGHT: gl.constexpr, PERSISTENT: gl.constexpr):
-    """One warp: every work item of the program (:func:`_produce`). walk: :func:`_work_item`'s; pattern:
+    """One warp: every work item of the program (:func:`_produce`). pattern:
     ``(left, right, sink_tokens)``."""
     _walk(_produce, (q_desc, k_desc, v_desc, shared, group, pattern), gl.constexpr((HAS_LEFT, HAS_RIGHT)), walk,
           PERSISTENT)
@@ -441,7 +460,7 @@ def _forward_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sinks, Descale, Cu
 
     shared = Shared(q=q_smem, k=k_smem, v=v_smem, o=o_smem, q_ready=q_ready, q_empty=q_empty, k_ready=k_ready,
                     k_empty=k_empty, v_ready=v_ready, v_empty=v_empty)
-    walk = (CuQ, CuK, Nq, Nk, Hq, n_tiles, seqs)
+    walk = Walk(CuQ=CuQ, CuK=CuK, Nq=Nq, Nk=Nk, Hq=Hq, n_tiles=n_tiles, seqs=seqs)
     pattern = (left, right, sink_tokens)
     # the default partition (this program's 4 warps) and a second 4-warp partition consume; a 1-warp
     # partition produces. Registers per thread: 240 for consumers, 24 for the producer (launch's maxnreg)
