@@ -137,13 +137,32 @@ class Walk:
         self.Hq, self.n_tiles, self.seqs = Hq, n_tiles, seqs
 
 
+@aggregate
+class Flags:
+    """The constants a warp's work items take: the pattern's (``HAS_LEFT``, ``HAS_RIGHT``, ``HAS_SINK_TOKENS``),
+    and a consumer's ``HEAD_DIM`` and ``half`` (which 64 rows of each tile it owns). The producer needs the
+    two bounds only (the rest default). Fields of an aggregate stay constants, where a tuple of values would
+    make them runtime values."""
+    HAS_LEFT: gl.constexpr
+    HAS_RIGHT: gl.constexpr
+    HAS_SINK_TOKENS: gl.constexpr
+    HEAD_DIM: gl.constexpr
+    half: gl.constexpr
+
+    @constexpr_function
+    def __init__(self, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS=False, HEAD_DIM=0, half=0):
+        self.HAS_LEFT, self.HAS_RIGHT, self.HAS_SINK_TOKENS = (gl.constexpr(HAS_LEFT), gl.constexpr(HAS_RIGHT),
+                                                              gl.constexpr(HAS_SINK_TOKENS))
+        self.HEAD_DIM, self.half = gl.constexpr(HEAD_DIM), gl.constexpr(half)
+
+
 @gluon.jit
 def _work_item(r, walk, TILES_FASTEST: gl.constexpr, PERSISTENT: gl.constexpr):
-    """This program's :class:`WorkItem` of round ``r`` of the :class:`Walk` ``walk``. The items, (tile, head, sequence) triples, run
-    sequence by sequence, longest tile first, tiles or heads fastest as :func:`tiles_fastest` says (a
-    sequence's K/V stays in L2 while its items run). PERSISTENT: round ``r`` hands items ``r * P .. r * P + P
-    - 1`` to the ``P`` programs, in reverse on odd rounds (a program that took a long item takes a short one
-    next); else the program's own item of the grid."""
+    """This program's :class:`WorkItem` of round ``r`` of the :class:`Walk` ``walk``. The items, (tile, head,
+    sequence) triples, run sequence by sequence, longest tile first, tiles or heads fastest as
+    :func:`tiles_fastest` says (a sequence's K/V stays in L2 while its items run). PERSISTENT: round ``r`` hands
+    items ``r * P .. r * P + P - 1`` to the ``P`` programs, in reverse on odd rounds (a program that took a long
+    item takes a short one next); else the program's own item of the grid."""
     Hq, n_tiles, seqs = walk.Hq, walk.n_tiles, walk.seqs
     VARLEN: gl.constexpr = walk.CuQ is not None
     if PERSISTENT:
@@ -217,13 +236,11 @@ def _ring_load(desc, coord, ring, ready, empty, i):
 
 
 @gluon.jit
-def _produce(item, c, t, args, flags: gl.constexpr):
+def _produce(item, c, t, args, flags):
     """Work item t (a :class:`WorkItem`) whose step 0 is the program's step ``c``: its Q into
     slot ``t % slots`` of the Q ring once free, then K and V of its every step into slot ``step % STAGES`` of
     theirs; returns its step count. args, flags: as :func:`_producer` passes them."""
     q_desc, k_desc, v_desc, shared, group, pattern = args
-    HAS_LEFT: gl.constexpr = flags[0]
-    HAS_RIGHT: gl.constexpr = flags[1]
     left, right, sink_tokens = pattern
     batch, h, row0 = item.batch, item.h, item.row0
     slot = t % shared.q_ready.shape[0]
@@ -233,7 +250,7 @@ def _produce(item, c, t, args, flags: gl.constexpr):
     _tma_load(q_desc, [batch, h, q_row, 0], shared.q_ready.index(slot), shared.q.index(2 * slot))
     _tma_load(q_desc, [batch, h, q_row + ROWS, 0], shared.q_ready.index(slot), shared.q.index(2 * slot + 1))
     n_sink, band_start, lead_end, full_end, n = _block_range(row0, item.Nq, item.Nk, left, right, sink_tokens,
-                                                             HAS_LEFT, HAS_RIGHT)
+                                                             flags.HAS_LEFT, flags.HAS_RIGHT)
     for i in range(n):
         start = item.k_start + gl.where(i < n_sink, i, i - n_sink + band_start) * BLOCK_N
         _ring_load(k_desc, [batch, h // group, start, 0], shared.k, shared.k_ready, shared.k_empty, c + i)
@@ -242,13 +259,12 @@ def _produce(item, c, t, args, flags: gl.constexpr):
 
 
 @gluon.jit
-def _walk(item_fn: gl.constexpr, args, flags: gl.constexpr, walk, PERSISTENT: gl.constexpr):
+def _walk(item_fn: gl.constexpr, args, flags, walk, PERSISTENT: gl.constexpr):
     """``item_fn(item, c, t, args, flags)`` on each work item of the program (:func:`_work_item`), which
     returns the item's step count: PERSISTENT, ``c`` and ``t`` count the steps and items before it over the
     program's walk (the rings' running indices); else the program's one item, both constant (0). flags: the
-    constexpr ones, ``(HAS_LEFT, HAS_RIGHT, ...)``, kept apart from ``args`` (in a tuple of values Gluon would
-    make them runtime values)."""
-    TILES_FASTEST: gl.constexpr = tiles_fastest(flags[0], flags[1])
+    warp's :class:`Flags`, kept apart from ``args`` (a tuple of values, which Gluon would make runtime values)."""
+    TILES_FASTEST: gl.constexpr = tiles_fastest(flags.HAS_LEFT, flags.HAS_RIGHT)
     if PERSISTENT:
         c = 0
         t = 0
@@ -268,8 +284,8 @@ def _producer(q_desc, k_desc, v_desc, shared, walk, group, pattern, HAS_LEFT: gl
               HAS_RIGHT: gl.constexpr, PERSISTENT: gl.constexpr):
     """One warp: every work item of the program (:func:`_produce`). pattern:
     ``(left, right, sink_tokens)``."""
-    _walk(_produce, (q_desc, k_desc, v_desc, shared, group, pattern), gl.constexpr((HAS_LEFT, HAS_RIGHT)), walk,
-          PERSISTENT)
+    _walk(_produce, (q_desc, k_desc, v_desc, shared, group, pattern), Flags(HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT),
+          walk, PERSISTENT)
 
 
 @gluon.jit
@@ -330,7 +346,7 @@ def _free_last_output(t, shared):
 
 
 @gluon.jit
-def _tile(item, c, t, args, flags: gl.constexpr):
+def _tile(item, c, t, args, flags):
     """One warpgroup's share of work item t (a :class:`WorkItem`), its step 0 the program's
     step ``c``: rows ``row0 + half * 64 ...`` of the tile, from Q in slot ``t % slots`` to the output and the
     natural-log LSE; returns the item's step count. Dense (Out None): the output leaves through the
@@ -339,11 +355,11 @@ def _tile(item, c, t, args, flags: gl.constexpr):
     next sequence's. args, flags: as :func:`_consumer` passes them (Descale, stride_ds as
     :func:`_forward_kernel` takes them; q's and k's descales join qk_scale here)."""
     o_desc, Out, Lse, Sinks, Descale, shared, group, pattern, qk_scale, stride_ds, stride_o, stride_lse = args
-    HAS_LEFT: gl.constexpr = flags[0]
-    HAS_RIGHT: gl.constexpr = flags[1]
-    HAS_SINK_TOKENS: gl.constexpr = flags[2]
-    HEAD_DIM: gl.constexpr = flags[3]
-    half: gl.constexpr = flags[4]
+    HAS_LEFT: gl.constexpr = flags.HAS_LEFT
+    HAS_RIGHT: gl.constexpr = flags.HAS_RIGHT
+    HAS_SINK_TOKENS: gl.constexpr = flags.HAS_SINK_TOKENS
+    HEAD_DIM: gl.constexpr = flags.HEAD_DIM
+    half: gl.constexpr = flags.half
     left, right, sink_tokens = pattern
     batch, b, h, row0, q_start, Nq, Nk = item.batch, item.b, item.h, item.row0, item.q_start, item.Nq, item.Nk
     K_STEP: gl.constexpr = 256 // shared.q.dtype.primitive_bitwidth  # what one wgmma reduces: 32 bytes
@@ -416,7 +432,8 @@ def _consumer(o_desc, Out, Lse, Sinks, Descale, shared, walk, half: gl.constexpr
               HAS_SINK_TOKENS: gl.constexpr, PERSISTENT: gl.constexpr):
     """One warpgroup (``half`` of each tile's rows): every work item of the program (:func:`_tile`)."""
     _walk(_tile, (o_desc, Out, Lse, Sinks, Descale, shared, group, pattern, qk_scale, stride_ds, stride_o, stride_lse),
-          gl.constexpr((HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, HEAD_DIM, half)), walk, PERSISTENT)
+          Flags(HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT, HAS_SINK_TOKENS=HAS_SINK_TOKENS, HEAD_DIM=HEAD_DIM,
+                half=half), walk, PERSISTENT)
     tma.store_wait(0)  # the last output read out of shared memory before the program ends
 
 
