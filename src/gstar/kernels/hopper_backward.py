@@ -50,6 +50,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon._runtime import constexpr_function
 from triton.language.core import _aggregate as aggregate  # named bundles of values, as Triton's own Gluon code
+from triton.language.core import base_value  # a field that is a tensor in some calls, a constant in others
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
@@ -191,20 +192,52 @@ def _writer(dqa_desc, Counts, shared, batch, h_first, tile, m_start, n_m, Nq, Nk
         _release_count(count, 0)
 
 
+@aggregate
+class Consumer:
+    """What a consumer warpgroup's steps read and never change. ``half``: which 64 of the tile's keys it owns
+    (0 or 1); ``k_op``, ``v_op``: their K and V as the A operands of S^T and dP^T (registers or shared memory,
+    :func:`_consumer`); ``k``: its keys in shared memory (dQ's B operand), ``k_other``: the other's; ``keys``:
+    their positions (64,); ``s_zero``, ``dq_zero``: zero (64, 64) and (64, D) float32 accumulators in the
+    products' layouts; ``Lse2``, ``Delta``: the rows' statistics; ``qk_scale``, ``scale``; the lengths ``Nq``,
+    ``Nk`` and the causal bound (``right`` with ``HAS_RIGHT``)."""
+    half: gl.constexpr
+    k_op: base_value
+    v_op: base_value
+    k: gl.shared_memory_descriptor
+    k_other: gl.shared_memory_descriptor
+    keys: gl.tensor
+    s_zero: gl.tensor
+    dq_zero: gl.tensor
+    Lse2: base_value
+    Delta: base_value
+    qk_scale: base_value
+    scale: base_value
+    Nq: base_value
+    Nk: base_value
+    right: base_value
+    HAS_RIGHT: gl.constexpr
+
+    @constexpr_function
+    def __init__(self, half, k_op, v_op, k, k_other, keys, s_zero, dq_zero, Lse2, Delta, qk_scale, scale, Nq, Nk,
+                 right, HAS_RIGHT):
+        self.half, self.HAS_RIGHT = gl.constexpr(half), gl.constexpr(HAS_RIGHT)
+        self.k_op, self.v_op, self.k, self.k_other, self.keys = k_op, v_op, k, k_other, keys
+        self.s_zero, self.dq_zero, self.Lse2, self.Delta = s_zero, dq_zero, Lse2, Delta
+        self.qk_scale, self.scale, self.Nq, self.Nk, self.right = qk_scale, scale, Nq, Nk, right
+
+
 @gluon.jit
-def _steps(k_op, v_op, k, k_other, shared, dk, dv, pdp_sum, lo, hi, it0, half, keys, s_zero, dq_zero, Lse2, Delta,
-           sink2, qk_scale, scale, row_base, Nq, Nk, right, HAS_RIGHT: gl.constexpr, MASKED: gl.constexpr,
+def _steps(me, shared, dk, dv, pdp_sum, lo, hi, it0, row_base, sink2, MASKED: gl.constexpr,
            HAS_SINKS: gl.constexpr):
     """Q tiles ``[lo, hi)`` of one query head (steps ``it0 ..``): adds each one's share to this warpgroup's
-    dk, dv (64, D) float32 and, on its turns, stages the step's dQ for the writer. k_op, v_op: this
-    warpgroup's 64 keys as the A operands of S^T and dP^T (registers or shared memory, :func:`_consumer`); k:
-    its keys in shared memory (dQ's B operand), k_other: the other's; keys: their positions (64,); row_base:
-    Lse2's and Delta's offset of the head's row 0. HAS_SINKS: pdp_sum (64,) float32 also gathers, per key,
-    ``P * dP`` weighted by each row's sink probability ``exp2(sink2 - lse2)`` (sink2: the head's base-2 sink
-    logit), the rows' dsinks terms."""
-    HEAD_DIM: gl.constexpr = k.shape[1]
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_zero.type.layout)
+    (``me``, a :class:`Consumer`) dk, dv (64, D) float32 and, on its turns, stages the step's dQ for the
+    writer. row_base: Lse2's and Delta's offset of the head's row 0. HAS_SINKS: pdp_sum (64,) float32 also
+    gathers, per key, ``P * dP`` weighted by each row's sink probability ``exp2(sink2 - lse2)`` (sink2: the
+    head's base-2 sink logit), the rows' dsinks terms."""
+    HEAD_DIM: gl.constexpr = me.k.shape[1]
+    col_layout: gl.constexpr = gl.SliceLayout(0, me.s_zero.type.layout)
     row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    half: gl.constexpr = me.half
     dq_tile = shared.dq.index(half).reshape([ROWS, HEAD_DIM])  # (64 queries, D) float32
     for m in range(lo, hi):
         it = it0 + m - lo
@@ -213,18 +246,20 @@ def _steps(k_op, v_op, k, k_other, shared, dk, dv, pdp_sum, lo, hi, it0, half, k
         q = shared.q.index(slot).reshape([ROWS, HEAD_DIM])    # (64 queries, D)
         do = shared.do.index(slot).reshape([ROWS, HEAD_DIM])  # (64 queries, D)
         mbarrier.wait(shared.q_ready.index(slot), phase)
-        s_t = warpgroup_mma(k_op, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)    # (64 keys, 64 queries)
+        # S^T and dP^T: (64 keys, 64 queries) each
+        s_t = warpgroup_mma(me.k_op, q.permute((1, 0)), me.s_zero, use_acc=False, is_async=True)
         mbarrier.wait(shared.do_ready.index(slot), phase)
-        dp_t = warpgroup_mma(v_op, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # (64 keys, 64 queries)
+        dp_t = warpgroup_mma(me.v_op, do.permute((1, 0)), me.s_zero, use_acc=False, is_async=True)
         # the rows' statistics, one register each until the scores land (then one per score column)
         rows = m * ROWS + gl.arange(0, ROWS, layout=row_layout)  # (64,) query positions
-        lse2 = gl.load(Lse2 + row_base + rows, mask=rows < Nq, other=float("inf"))  # past Nq: zero weight
-        delta = gl.load(Delta + row_base + rows, mask=rows < Nq, other=0.0)
+        lse2 = gl.load(me.Lse2 + row_base + rows, mask=rows < me.Nq, other=float("inf"))  # past Nq: zero weight
+        delta = gl.load(me.Delta + row_base + rows, mask=rows < me.Nq, other=0.0)
         s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
-        p_t = gl.exp2(s_t * qk_scale - gl.convert_layout(lse2, col_layout)[None, :])
+        p_t = gl.exp2(s_t * me.qk_scale - gl.convert_layout(lse2, col_layout)[None, :])
         if MASKED:
             cols = m * ROWS + gl.arange(0, ROWS, layout=col_layout)
-            ok = visible(cols[None, :], keys[:, None], Nq, Nk, 0, right, 0, False, HAS_RIGHT, False)
+            ok = visible(cols[None, :], me.keys[:, None], me.Nq, me.Nk, 0, me.right, 0, False, me.HAS_RIGHT,
+                         False)
             p_t = gl.where(ok, p_t, 0.0)
         dv = warpgroup_mma(_operand(p_t, dv, q.dtype), do, dv, is_async=True)
         dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, ))
@@ -245,14 +280,14 @@ def _steps(k_op, v_op, k, k_other, shared, dk, dv, pdp_sum, lo, hi, it0, half, k
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
         if it % 2 == half:  # this warpgroup's turn: dQ over all 128 keys, while the other runs ahead
             own = ds.slice(half * ROWS, ROWS, dim=0).permute((1, 0))       # (64 queries, its 64 keys)
-            dq = warpgroup_mma(own, k, dq_zero, use_acc=False, is_async=True)  # (64 queries, D)
+            dq = warpgroup_mma(own, me.k, me.dq_zero, use_acc=False, is_async=True)  # (64 queries, D)
             mbarrier.wait(shared.ds_ready.index(it % 2), (it // 2) & 1)
             other = ds.slice((1 - half) * ROWS, ROWS, dim=0).permute((1, 0))
-            dq = warpgroup_mma(other, k_other, dq, is_async=True)
+            dq = warpgroup_mma(other, me.k_other, dq, is_async=True)
             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
             # into the staging tile once the writer's last add from it has read it; the writer adds it to dQ
             mbarrier.wait(shared.dq_free.index(half), ((it // 2) & 1) ^ 1)
-            dq_tile.store(dq * scale)
+            dq_tile.store(dq * me.scale)
             fence_async_shared()
             _sync_warpgroup()
             mbarrier.arrive(shared.dq_staged.index(half), count=1)
@@ -294,6 +329,9 @@ def _consumer(DK, DV, Lse2, Delta, Sinks, Shares, shared, b, hkv, part, h_first,
     else:
         k_op = k
         v_op = v
+    me = Consumer(half=half, k_op=k_op, v_op=v_op, k=k, k_other=k_other, keys=keys, s_zero=s_zero, dq_zero=dq_zero,
+                  Lse2=Lse2, Delta=Delta, qk_scale=qk_scale, scale=scale, Nq=Nq, Nk=Nk, right=right,
+                  HAS_RIGHT=HAS_RIGHT)
     for g in range(HEADS):
         h = h_first + g
         row_base = (b * gl.num_programs(1) * HEADS + h) * Nq  # (B, Hq, Nq) row 0 of head h
@@ -305,9 +343,8 @@ def _consumer(DK, DV, Lse2, Delta, Sinks, Shares, shared, b, hkv, part, h_first,
         for segment in gl.static_range(3):  # masked edge, unmasked interior, masked edge
             lo = starts[segment]
             hi = starts[segment + 1]
-            dk, dv, pdp_sum = _steps(k_op, v_op, k, k_other, shared, dk, dv, pdp_sum, lo, hi, it + lo - starts[0],
-                                     half, keys, s_zero, dq_zero, Lse2, Delta, sink2, qk_scale, scale, row_base, Nq,
-                                     Nk, right, HAS_RIGHT, segment != 1, Sinks is not None)
+            dk, dv, pdp_sum = _steps(me, shared, dk, dv, pdp_sum, lo, hi, it + lo - starts[0], row_base, sink2,
+                                     segment != 1, Sinks is not None)
         if Sinks is not None:
             gl.store(Shares + ((b * gl.num_programs(0) + tile) * 2 + half) * (gl.num_programs(1) * HEADS) + h,
                      gl.sum(pdp_sum, axis=0))
