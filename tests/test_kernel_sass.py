@@ -64,14 +64,14 @@ def test_hopper_forward_is_warp_specialised(case, flags):
         assert sum(bool(re.search(r"HGMMA \(\d+ of them FP8\)", l)) for l in loops) > len(loops) // 2, loops
 
 
-@pytest.mark.parametrize("case", ["D128 causal", "D64 causal"])
-def test_hopper_backward_is_warp_specialised(case):
+@pytest.mark.parametrize("case,flags", [("D128 causal", ()), ("D64 causal", ()), ("D64 causal", ("--no-sinks",))])
+def test_hopper_backward_is_warp_specialised(case, flags):
     """gstar.kernels.hopper_backward (Gluon) compiles for sm_90a at both head dims it serves (D 64: GPT-OSS's
-    causal GQA 8 layer): 12 warps, every step loop on the tensor cores, and on the verified Triton release no
-    product serialised by ptxas (too few registers, or accumulators read while in flight). At D 128 it spills a
-    little (scalars of the loop nest, ~450 bytes; benchmarks/NOTES.md, 'Fused backward with atomic dQ'), so
-    spills are not held to zero."""
-    result = _run("--case", case, "--hopper", "--backward")
+    causal GQA 8 layer, with its learned sinks and without, where K and V are register operands): 12 warps,
+    every step loop on the tensor cores, and on the verified Triton release no product serialised by ptxas (too
+    few registers, or accumulators read while in flight). At D 128 it spills a little (scalars of the loop
+    nest, ~450 bytes; benchmarks/NOTES.md, 'Fused backward with atomic dQ'), so spills are not held to zero."""
+    result = _run("--case", case, "--hopper", "--backward", *flags)
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.splitlines()
     start = next(i for i, l in enumerate(lines) if l.startswith("_backward_kernel:"))
