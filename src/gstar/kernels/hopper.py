@@ -313,13 +313,14 @@ def _operand(p, acc, dtype: gl.constexpr):
 
 
 @gluon.jit
-def _steps(q, shared, c, lo, hi, n_sink, band_start, acc, m_i, l_i, p, rows, s_zero, qk_scale, Nq, Nk, left, right,
-           sink_tokens, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK_TOKENS: gl.constexpr,
+def _steps(q, shared, item, pattern, flags, c, lo, hi, n_sink, band_start, acc, m_i, l_i, p, rows, s_zero, qk_scale,
            MASKED: gl.constexpr, MAY_BE_EMPTY: gl.constexpr):
-    """Steps ``[lo, hi)`` of a work item whose step 0 is the program's step ``c`` (the rings' index), each
-    ``i`` entered with step i-1's weights ``p`` (float32, not yet multiplied): issue ``Q K_i^T``, then
-    ``P_{i-1} V_{i-1}`` (P in V's dtype); wait for the scores alone (one group may stay in flight), free
-    K_i, run the softmax while the product runs, wait for it, free V_{i-1}, rescale the accumulator."""
+    """Steps ``[lo, hi)`` of work item ``item`` (a :class:`WorkItem`; pattern, flags: as :func:`_tile` takes
+    them) whose step 0 is the program's step ``c`` (the rings' index), each ``i`` entered with step i-1's
+    weights ``p`` (float32, not yet multiplied): issue ``Q K_i^T``, then ``P_{i-1} V_{i-1}`` (P in V's dtype);
+    wait for the scores alone (one group may stay in flight), free K_i, run the softmax while the product
+    runs, wait for it, free V_{i-1}, rescale the accumulator."""
+    left, right, sink_tokens = pattern
     col_layout: gl.constexpr = gl.SliceLayout(0, s_zero.type.layout)
     acc_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     for i in range(lo, hi):
@@ -329,8 +330,9 @@ def _steps(q, shared, c, lo, hi, n_sink, band_start, acc, m_i, l_i, p, rows, s_z
         mbarrier.arrive(shared.k_empty.index((c + i) % STAGES), count=1)
         block = gl.where(i < n_sink, i, i - n_sink + band_start)
         cols = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
-        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, rows, cols, qk_scale, Nq, Nk, left, right, sink_tokens,
-                                          HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, MASKED, MAY_BE_EMPTY)
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, rows, cols, qk_scale, item.Nq, item.Nk, left, right,
+                                          sink_tokens, flags.HAS_LEFT, flags.HAS_RIGHT, flags.HAS_SINK_TOKENS, MASKED,
+                                          MAY_BE_EMPTY)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(shared.v_empty.index((c + i - 1) % STAGES), count=1)
         acc = acc * gl.convert_layout(alpha, acc_rows)[:, None]
@@ -398,9 +400,9 @@ def _tile(item, c, t, args, flags):
         # the sink-token blocks and the band's leading edge, its interior, its trailing edge
         bounds = (1, lead_end, full_end, n)
         for segment in gl.static_range(3):
-            acc, m_i, l_i, p = _steps(q, shared, c, gl.maximum(bounds[segment], 1), bounds[segment + 1], n_sink,
-                                      band_start, acc, m_i, l_i, p, rows, s_zero, qk_scale, Nq, Nk, left, right,
-                                      sink_tokens, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, segment != 1, MAY_BE_EMPTY)
+            acc, m_i, l_i, p = _steps(q, shared, item, pattern, flags, c, gl.maximum(bounds[segment], 1),
+                                      bounds[segment + 1], n_sink, band_start, acc, m_i, l_i, p, rows, s_zero,
+                                      qk_scale, segment != 1, MAY_BE_EMPTY)
         acc = _issue_values(_operand(p, acc, shared.v.dtype), acc, shared, c + n - 1)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(shared.v_empty.index((c + n - 1) % STAGES), count=1)
