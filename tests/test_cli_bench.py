@@ -74,6 +74,13 @@ def test_reference_suites_follow_the_design():
     assert len(suite("all")) == sum(len(suite(n)) for n in ("gpt-oss", "long", "fa", "mla", "stages", "varlen"))
 
 
+def test_a_case_by_label():
+    assert cases.labelled("D128 causal") == next(c for c in suite("fa") if c.causal)  # the first that matches
+    assert cases.labelled("window (127,0)").window == (127, 0) and cases.labelled("window (127,0)").seqlen == 4096
+    with pytest.raises(ValueError, match="no case label contains 'D 999'; labels: B2 N4096"):
+        cases.labelled("D 999")
+
+
 def test_cpu_shrinks_suites_but_keeps_gqa():
     for c in suite("all"):
         small = for_cpu(c)

@@ -314,6 +314,16 @@ def suite(name: str) -> list[Case]:
     return SUITES[name]()
 
 
+def labelled(text: str) -> Case:
+    """The first case of ``suite("all")`` whose label contains ``text`` (the kernel scripts' ``--case``); a
+    ValueError naming every label when none does."""
+    cases = suite("all")
+    found = next((c for c in cases if text in c.label), None)
+    if found is None:
+        raise ValueError(f"no case label contains {text!r}; labels: " + "; ".join(c.label for c in cases))
+    return found
+
+
 def for_cpu(case: Case) -> Case:
     """A GPU suite case shrunk for a CPU: batch 1 (a packed case keeps its documents, a decode case of unequal
     lengths its first 8 sequences, each 1/16 as long), heads / 8, length / 16, window / 8, float32 (FP8 cases
