@@ -70,6 +70,23 @@ def test_count_late(nq, nk, causal, expected):
     assert hopper_backward.count_late(Pattern.make(nq, nk, causal=causal)) == expected
 
 
+@pytest.mark.parametrize("batch,heads,group,nq,head_dim,expected", [
+    (2, 64, 8, 4096, 64, 1),      # GPT-OSS at 4k: c / 2h + h SMs / (B Hq) = 3.03 against 3.06 for two heads
+    (1, 64, 8, 32768, 64, 1),     # and at 32k, where the whole group's tail cost 13%
+    (8, 64, 8, 2048, 64, 2),
+    (2, 64, 8, 4096, 128, 2),     # head dim 128's programs cost more: fewer of them
+    (4, 64, 8, 4096, 128, 4),
+    (1, 32, 4, 32768, 128, 1),
+    (1, 16, 1, 100, 128, 1),      # no group to split
+])
+def test_heads_per_program_ordered(batch, heads, group, nq, head_dim, expected, monkeypatch):
+    """Ordered adds (the grid launched shortest program first): the divisor of the group that minimises a
+    program's fixed cost against the grid's tail, whatever the length (132 SMs)."""
+    monkeypatch.setattr(hopper_backward.schedule, "sm_count", lambda device: 132)
+    for n in (nq, 4 * nq + 1):
+        assert hopper_backward.heads_per_program(batch, heads, group, n, head_dim, True, True, "cuda") == expected
+
+
 @pytest.mark.parametrize("batch,heads,group,nq,causal,expected", [
     (2, 64, 8, 4096, True, 2),     # GQA 8 at 4k: the whole group would leave a tail of half the grid
     (1, 64, 8, 4096, True, 1),
@@ -79,11 +96,13 @@ def test_count_late(nq, nk, causal, expected):
     (1, 16, 1, 100, True, 1),      # no group to split
     (1, 64, 8, 4096, False, 8),    # full attention: programs alike
 ])
-def test_heads_per_program(batch, heads, group, nq, causal, expected, monkeypatch):
-    """The largest divisor of the group whose longest program stays under a quarter of an SM's share (132
-    SMs), the whole group for full attention."""
+def test_heads_per_program_unordered(batch, heads, group, nq, causal, expected, monkeypatch):
+    """Unordered adds (the longest program first): the largest divisor of the group whose longest program
+    stays under a quarter of an SM's share (132 SMs); the whole group for full attention, ordered or not."""
     monkeypatch.setattr(hopper_backward.schedule, "sm_count", lambda device: 132)
-    assert hopper_backward.heads_per_program(batch, heads, group, nq, causal, "cuda") == expected
+    assert hopper_backward.heads_per_program(batch, heads, group, nq, 128, causal, False, "cuda") == expected
+    if not causal:
+        assert hopper_backward.heads_per_program(batch, heads, group, nq, 64, causal, True, "cuda") == group
 
 
 @pytest.mark.parametrize("B,Hkv,Nk,parts,dtype", [(2, 3, 300, 4, torch.float16), (1, 2, 128, 2, torch.float32),

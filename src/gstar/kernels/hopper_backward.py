@@ -71,6 +71,10 @@ WRITER = gl.constexpr(32)  # threads of the dQ writer warp, each counting an ord
 # (1.04-1.19x), as its 64 x 64 score tiles leave the softmax work per product twice D = 128's and the portable
 # kernels fit two programs per SM there, and 128-query steps lose more (NOTES, 'The fused backward at head dim 64')
 HEAD_DIMS = {128: (1, True), 64: (8, False)}
+# a program's fixed cost in steps of its walk, by head dim, as :func:`heads_per_program` weighs it against the
+# ordered grid's tail; fitted to GQA 4 and 8 causal calls at 2k-32k on an H200 (NOTES, 'Heads per program in
+# the ordered backward')
+PROGRAM_STEPS = {128: 10, 64: 4}
 
 
 @builtin
@@ -438,16 +442,28 @@ def supported(q, k, v, dout, pattern: Pattern) -> bool:
             and descriptors.supported(q, k, v, dout))
 
 
-def heads_per_program(batch: int, heads: int, group: int, nq: int, causal: bool, device: str) -> int:
-    """Query heads of a GQA group that one program walks. A causal call's programs run ``heads x (n_q_tiles -
-    2 tile)`` steps: the first KV tile's is the longest, and where it would outlast a quarter of an SM's share
-    of the work its end leaves a tail, so the group is split over programs of the largest divisor of it under
-    that bound (their dK, dV summed in float32 by :func:`_sum_parts`); full attention's programs are all
-    alike and walk the whole group (NOTES, 'Ordered dQ adds')."""
+def heads_per_program(batch: int, heads: int, group: int, nq: int, head_dim: int, causal: bool, ordered: bool,
+                      device: str) -> int:
+    """Query heads of a GQA group that one program walks; a split group's parts have their dK, dV summed in
+    float32 by :func:`_sum_parts`. Full attention's programs are all alike and walk the whole group. A causal
+    call's program of KV tile j runs ``heads x (n_q_tiles - 2 j)`` steps, so fewer heads a program shorten
+    the longest but add programs, each with a fixed cost (K and V, the pipeline's fill, dK and dV).
+
+    Ordered adds launch the shortest program first, so the grid ends on its longest, ``h n_q`` steps against
+    an SM's share of ``B Hq n_q^2 / 4``: a tail of ``4 h SMs / (B Hq n_q)``. A fixed cost of c steps a program
+    over an average walk of ``h n_q / 2`` adds ``2 c / (h n_q)``. Both scale as 1 / n_q, so the divisor of the
+    group that minimises ``c / (2 h) + h SMs / (B Hq)`` serves every length (c: ``PROGRAM_STEPS``).
+    Unordered adds launch the longest first, and the tail is what is left once the longest no longer fits: the
+    largest divisor whose longest program stays under a quarter of an SM's share (NOTES, 'Ordered dQ adds'
+    and 'Heads per program in the ordered backward')."""
     if not causal:
         return group
-    bound = batch * heads * cdiv(nq, ROWS.value) / (16 * schedule.sm_count(device))  # 4 x longest <= share
-    return max(h for h in range(1, group + 1) if group % h == 0 and (h <= bound or h == 1))
+    divisors = [h for h in range(1, group + 1) if group % h == 0]
+    sms = schedule.sm_count(device)
+    if ordered:
+        return min(divisors, key=lambda h: PROGRAM_STEPS[head_dim] / (2 * h) + h * sms / (batch * heads))
+    bound = batch * heads * cdiv(nq, ROWS.value) / (16 * sms)  # 4 x longest <= share
+    return max(h for h in divisors if h <= bound or h == 1)
 
 
 def count_late(pattern: Pattern) -> bool:
@@ -471,7 +487,7 @@ def backward(q, k, v, dout, dk, dv, dqa, lse2, delta, sinks, pattern: Pattern, s
     Hkv, Nk = k.shape[1], k.shape[2]
     group = Hq // Hkv
     n_tiles = cdiv(Nk, BLOCK_N.value)
-    parts = group // heads_per_program(B, Hq, group, Nq, pattern.right >= 0, str(q.device))
+    parts = group // heads_per_program(B, Hq, group, Nq, D, pattern.right >= 0, deterministic, str(q.device))
     pk, pv, stride_pk, stride_pv = _partials(dk, dv, parts, n_tiles)
     shape = (B, Hq, cdiv(Nq, ROWS.value)) if deterministic else (0, )
     counts = torch.zeros(shape, dtype=torch.int32, device=q.device)  # (B, Hq, n_q_tiles): adds done per dQ tile
