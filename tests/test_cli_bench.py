@@ -591,6 +591,19 @@ def test_plot_keeps_packed_documents_apart(monkeypatch, tmp_path):
     assert titles == ["H8 D64 causal bf16", "packed H8 D64 causal bf16"]
 
 
+def test_plot_colours_follow_the_implementation(monkeypatch, tmp_path):
+    """An implementation keeps its colour in every subplot, whichever implementations the subplot has."""
+    _require("matplotlib")
+    colours = {}
+    monkeypatch.setattr(report, "_save", lambda plt, fig, *a: [
+        colours.setdefault(line.get_label(), set()).add(line.get_color()) for ax in fig.axes for line in ax.lines])
+    row = lambda impl, series: dict(_json_row("B2 N4096", impl, "ok", 1.0), series=series, tflops=1.0,  # noqa: E731
+                                    case={"label": "B2 N4096", "seqlen": 4096})
+    rows = [row("flex", "H8 D64 causal bf16"), row("gstar", "H8 D64 causal bf16"), row("gstar", "H8 D128 full bf16")]
+    report.plot(str(tmp_path / "p.png"), rows, {"card": "c", "torch": "t", "triton": "t"}, "fwd")
+    assert colours == {"flex": {"C0"}, "gstar": {"C1"}}
+
+
 def test_cpu_race_warms_up_and_takes_turns():
     calls = []
     first = lambda: calls.append("a")  # noqa: E731

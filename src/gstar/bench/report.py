@@ -123,8 +123,9 @@ def _plot_series(row: dict) -> str:
 
 
 def plot(path: str, rows: list[dict], env: dict, mode: str, metric: str = "tflops") -> None:
-    """TFLOP/s (or time) against sequence length, one subplot per case series, one line per implementation;
-    decode steps (whose cases differ in batch as well as length) as time per case beside its memory floor."""
+    """TFLOP/s (or time) against sequence length, one subplot per case series, one line per implementation
+    in the same colour in every subplot; decode steps (whose cases differ in batch as well as length) as time
+    per case beside its memory floor."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -133,6 +134,7 @@ def plot(path: str, rows: list[dict], env: dict, mode: str, metric: str = "tflop
         return _plot_decode(plt, path, rows, env)
     key = "tflops" if metric == "tflops" else "time_ms"
     series = list(dict.fromkeys(_plot_series(r) for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
     cols = min(3, max(1, len(series)))
     nrows = -(-len(series) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 4 * nrows), squeeze=False)
@@ -145,7 +147,8 @@ def plot(path: str, rows: list[dict], env: dict, mode: str, metric: str = "tflop
             pts.sort()
             wrong = any(s == "WRONG" for _, _, s in pts)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="x" if wrong else "o",
-                    linestyle=":" if wrong else "-", label=impl + (" (WRONG)" if wrong else ""))
+                    color=f"C{impls.index(impl) % 10}", linestyle=":" if wrong else "-",
+                    label=impl + (" (WRONG)" if wrong else ""))
         ax.set_xscale("log", base=2)
         ax.set_ylim(bottom=0)
         ax.set_title(name, fontsize=9)
