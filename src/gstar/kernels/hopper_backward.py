@@ -442,7 +442,7 @@ def supported(q, k, v, dout, pattern: Pattern) -> bool:
             and descriptors.supported(q, k, v, dout))
 
 
-def heads_per_program(batch: int, heads: int, group: int, nq: int, head_dim: int, causal: bool, ordered: bool,
+def heads_per_program(batch: int, heads: int, group: int, nq: int, head_dim: int, *, causal: bool, ordered: bool,
                       device: str) -> int:
     """Query heads of a GQA group that one program walks; a split group's parts have their dK, dV summed in
     float32 by :func:`_sum_parts`. Full attention's programs are all alike and walk the whole group. A causal
@@ -487,7 +487,8 @@ def backward(q, k, v, dout, dk, dv, dqa, lse2, delta, sinks, pattern: Pattern, s
     Hkv, Nk = k.shape[1], k.shape[2]
     group = Hq // Hkv
     n_tiles = cdiv(Nk, BLOCK_N.value)
-    parts = group // heads_per_program(B, Hq, group, Nq, D, pattern.right >= 0, deterministic, str(q.device))
+    parts = group // heads_per_program(B, Hq, group, Nq, D, causal=pattern.right >= 0, ordered=deterministic,
+                                       device=str(q.device))
     pk, pv, stride_pk, stride_pv = _partials(dk, dv, parts, n_tiles)
     shape = (B, Hq, cdiv(Nq, ROWS.value)) if deterministic else (0, )
     counts = torch.zeros(shape, dtype=torch.int32, device=q.device)  # (B, Hq, n_q_tiles): adds done per dQ tile
