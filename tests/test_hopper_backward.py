@@ -70,6 +70,12 @@ def test_count_late(nq, nk, causal, expected):
     assert hopper_backward.count_late(Pattern.make(nq, nk, causal=causal)) == expected
 
 
+def test_every_served_head_dim_has_a_program_cost():
+    """The ordered split weighs a program's fixed cost by head dim: every head dim the kernel serves needs one
+    (else a KeyError at call time)."""
+    assert hopper_backward.PROGRAM_STEPS.keys() == hopper_backward.HEAD_DIMS.keys()
+
+
 @pytest.mark.parametrize("batch,heads,group,nq,head_dim,expected", [
     (2, 64, 8, 4096, 64, 1),      # GPT-OSS at 4k: c / 2h + h SMs / (B Hq) = 3.03 against 3.06 for two heads
     (1, 64, 8, 32768, 64, 1),     # and at 32k, where the whole group's tail cost 12%
