@@ -6,7 +6,9 @@ K/V block is read once for the group. It reads its sequence's length on the devi
 with :func:`gstar.kernels.ranges.kv_range` (the sink-token blocks, then the window's band), and walks its
 share of them: split ``s`` takes the ``s``-th of ``splits`` equal runs. A paged cache is read block by block
 through the block table (``BLOCK_N`` divides the block size, so a tile lies in one page). The softmax is the
-forward kernel's (:func:`gstar.kernels.forward.softmax_step`), every block masked.
+forward kernel's (:func:`gstar.kernels.forward.softmax_step`): masked on the blocks the rule cuts (the sink-token
+blocks, the band's ends, the last block of the sequence), unmasked on the whole blocks between, whose loads carry
+no masks either. An FP8 cache runs ``P V`` in float16 (:func:`_widen_values`).
 
 With one split a program finishes its rows, the learned sink included. With several, each stores its
 partial result (normalised output and LSE, float32) and ``_combine`` merges a row's partials by their LSEs,
@@ -49,6 +51,55 @@ def _block_ptrs(Cache, BlockTable, b, hkv, start_n, offs_n, offs_d, stride_c, st
     return Cache + rows[:, None] + offs_d[None, :]
 
 
+@triton.jit
+def _widen_values(v, PTX_WIDEN: tl.constexpr):
+    """An FP8 value tile (BLOCK_N, DV_PAD) as float16, exactly (every e4m3 value is one). PTX_WIDEN: Ada's and
+    Hopper's pair conversion, written as inline PTX that is not pure, so that Triton converts in the layout the
+    tile was loaded in and hands the product float16 through shared memory; its own conversion moves into the
+    product's operand layout, where an FP8 tile with keys in rows is read from shared memory a byte at a time
+    (benchmarks/NOTES.md, 'FP8 decode: the values' layout')."""
+    if PTX_WIDEN:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [v], dtype=tl.float16, is_pure=False, pack=4)
+    return v.to(tl.float16)
+
+
+@triton.jit
+def _attend(acc, m_i, l_i, q, rows, i_lo, i_hi, blocks, rule, qk_scale, HEAD_DIM: tl.constexpr,
+            VALUE_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, HAS_LEFT: tl.constexpr,
+            HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr, PRECISION: tl.constexpr,
+            PTX_WIDEN: tl.constexpr, MASKED: tl.constexpr):
+    """Fold visible blocks ``i_lo .. i_hi`` (the i-th: sink block i below ``sink_end``, then the band from
+    ``band_start``) into the rows' state ``(acc, m_i, l_i)``; q: (BLOCK_R, D_PAD), rows: their query indices.
+    ``blocks``: (K, V, BlockTable, b, hkv, sink_end, band_start, stride_k, stride_v, stride_bt, page_size);
+    ``rule``: (nq, nk, left, right, sink_tokens). MASKED blocks evaluate the rule per key; the others are
+    whole blocks below nk that every row sees, loaded and scored without masks."""
+    K, V, BlockTable, b, hkv, sink_end, band_start, stride_k, stride_v, stride_bt, page_size = blocks
+    nq, nk, left, right, sink_tokens = rule
+    offs_d = tl.arange(0, pad_head_dim(HEAD_DIM))
+    offs_dv = tl.arange(0, pad_head_dim(VALUE_DIM))
+    offs_n = tl.arange(0, BLOCK_N)
+    for i in range(i_lo, i_hi):
+        start_n = tl.where(i < sink_end, i, band_start + i - sink_end) * BLOCK_N
+        cols = start_n + offs_n  # (BLOCK_N,)
+        key_ok = (cols < nk) | (not MASKED)
+        k = tl.load(_block_ptrs(K, BlockTable, b, hkv, start_n, offs_n, offs_d, stride_k, stride_bt, page_size,
+                                PAGED),
+                    mask=key_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)  # (BLOCK_N, D_PAD)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # (BLOCK_R, BLOCK_N) raw scores
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, rows, cols, qk_scale, nq, nk, left, right, sink_tokens,
+                                          HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, MASKED, True)
+        acc = acc * alpha[:, None]
+        v = tl.load(_block_ptrs(V, BlockTable, b, hkv, start_n, offs_n, offs_dv, stride_v, stride_bt, page_size,
+                                PAGED),
+                    mask=key_ok[:, None] & (offs_dv[None, :] < VALUE_DIM), other=0.0)  # (BLOCK_N, DV_PAD)
+        if v.dtype == tl.float8e4nv:  # an FP8 cache: P V in float16 (P in FP8 would miss the accuracy bar)
+            v = _widen_values(v, PTX_WIDEN)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+    return acc, m_i, l_i
+
+
 # lengths, bounds and row counts change between calls: specialising on them would recompile a decode loop
 @triton.jit(do_not_specialize=["nq", "group", "added", "left", "right", "sink_tokens", "page_size"])
 def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, Descale,
@@ -56,7 +107,7 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, Descale,
             nq, group, added, left, right, sink_tokens, page_size, qk_scale, stride_ds,
             HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
             PAGED: tl.constexpr, SPLIT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-            HAS_SINK_TOKENS: tl.constexpr, PRECISION: tl.constexpr):
+            HAS_SINK_TOKENS: tl.constexpr, PRECISION: tl.constexpr, PTX_WIDEN: tl.constexpr):
     """Q: (B, Hq, nq, HEAD_DIM); K, V: contiguous (B, Hkv, Nmax, HEAD_DIM / VALUE_DIM) or, with PAGED, (pages,
     page_size, Hkv, ...) read through BlockTable (B, max_blocks) int32; Seqlens: (B,) int32, a sequence's keys
     before the ``added`` appended ones; Sinks: None or (Hq,) float32 (used when not SPLIT).
@@ -66,7 +117,7 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, Descale,
     stride_q, stride_k, stride_v: (batch, head, row), or (page, row, head) for a paged cache.
     qk_scale = scale * log2(e) > 0. An FP8 cache (float8_e4m3fn K, V; Q FP8 too, or 16-bit and its keys
     widened to Q's dtype): Descale (B, Hkv, 3) float32 with batch stride ``stride_ds``
-    (:func:`gstar.kernels.forward.load_descales`), else None.
+    (:func:`gstar.kernels.forward.load_descales`), else None; PTX_WIDEN as :func:`_widen_values` takes it.
     """
     D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
     DV_PAD: tl.constexpr = pad_head_dim(VALUE_DIM)
@@ -85,7 +136,6 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, Descale,
     rows = tl.where(real, offs_r, 0) % nq  # query index of each stacked row
     offs_d = tl.arange(0, D_PAD)
     offs_dv = tl.arange(0, DV_PAD)
-    offs_n = tl.arange(0, BLOCK_N)
     q_rows = b * stride_q[0] + heads * stride_q[1] + rows * stride_q[2]
     q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=real[:, None] & (offs_d[None, :] < HEAD_DIM),
                 other=0.0)  # (BLOCK_R, D_PAD)
@@ -96,29 +146,24 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, Descale,
     else:
         acc, m_i, l_i = start_state(Sinks, heads, VALUE_DIM)
 
-    sink_end, band_start, _, _, band_end = kv_range(0, nq, nk, left, right, sink_tokens, _ALL_ROWS, BLOCK_N,
-                                                    HAS_LEFT, HAS_RIGHT)
-    count = sink_end + band_end - band_start  # visible blocks: [0, sink_end), then [band_start, band_end)
+    sink_end, band_start, full_start, full_end, band_end = kv_range(0, nq, nk, left, right, sink_tokens, _ALL_ROWS,
+                                                                    BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    # the i-th visible block: [0, sink_end), then [band_start, band_end); the whole ones at i in [whole, whole_end)
+    count = sink_end + band_end - band_start
+    whole, whole_end = sink_end + full_start - band_start, sink_end + full_end - band_start
     per = tl.cdiv(count, splits)
-    for i in range(split * per, tl.minimum(split * per + per, count)):
-        block = tl.where(i < sink_end, i, band_start + i - sink_end)
-        start_n = block * BLOCK_N
-        cols = start_n + offs_n  # (BLOCK_N,)
-        key_ok = cols < nk
-        k = tl.load(_block_ptrs(K, BlockTable, b, hkv, start_n, offs_n, offs_d, stride_k, stride_bt, page_size,
-                                PAGED),
-                    mask=key_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)  # (BLOCK_N, D_PAD)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # (BLOCK_R, BLOCK_N) raw scores
-        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, rows, cols, qk_scale, nq, nk, left, right, sink_tokens,
-                                          HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True, True)
-        acc = acc * alpha[:, None]
-        v = tl.load(_block_ptrs(V, BlockTable, b, hkv, start_n, offs_n, offs_dv, stride_v, stride_bt, page_size,
-                                PAGED),
-                    mask=key_ok[:, None] & (offs_dv[None, :] < VALUE_DIM), other=0.0)  # (BLOCK_N, DV_PAD)
-        v = v.to(q.dtype)  # an FP8 cache under 16-bit queries is widened to their dtype
-        if v.dtype == tl.float8e4nv:  # under FP8 queries to bfloat16: P in FP8 would miss the accuracy bar
-            v = v.to(tl.bfloat16)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+    lo, hi = split * per, tl.minimum(split * per + per, count)  # this split's share
+    blocks = (K, V, BlockTable, b, hkv, sink_end, band_start, stride_k, stride_v, stride_bt, page_size)
+    rule = (nq, nk, left, right, sink_tokens)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, rows, lo, tl.minimum(hi, whole), blocks, rule, qk_scale,
+                            HEAD_DIM, VALUE_DIM, BLOCK_N, PAGED, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, PRECISION,
+                            PTX_WIDEN, True)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, rows, tl.maximum(lo, whole), tl.minimum(hi, whole_end), blocks,
+                            rule, qk_scale, HEAD_DIM, VALUE_DIM, BLOCK_N, PAGED, HAS_LEFT, HAS_RIGHT,
+                            HAS_SINK_TOKENS, PRECISION, PTX_WIDEN, False)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, rows, tl.maximum(lo, whole_end), hi, blocks, rule, qk_scale,
+                            HEAD_DIM, VALUE_DIM, BLOCK_N, PAGED, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, PRECISION,
+                            PTX_WIDEN, True)
 
     if Descale is not None:  # v's descale: one multiply of the finished rows (a split's partial alike)
         acc = acc * v_descale
@@ -218,6 +263,7 @@ def _decode_plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: boo
         constexprs(HEAD_DIM=D, VALUE_DIM=Dv, BLOCK_R=block_r, BLOCK_N=block_n, PAGED=paged, SPLIT=splits > 1,
                    HAS_LEFT=pattern.left >= 0, HAS_RIGHT=pattern.right >= 0,
                    HAS_SINK_TOKENS=pattern.left >= 0 and pattern.sink_tokens > 0, PRECISION=precision,
+                   PTX_WIDEN=fp8 and device.type == "cuda" and torch.version.hip is None,
                    num_warps=4, num_stages=stages))
 
 
