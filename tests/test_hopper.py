@@ -138,7 +138,7 @@ def test_gpu_packed_sequences(D, causal, with_sinks, fp8):
         seq_q, seq_k = (torch.repeat_interleave(torch.tensor(n, device="cuda")) for n in (lengths_q, lengths_k))
         values = (q.double() * qd.double().repeat_interleave(4, 1)[seq_q][:, :, None],
                   k.double() * kd.double()[seq_k][:, :, None], v.double() * vd.double()[seq_k][:, :, None])
-        fp8_args, low = dict(descale=torch.stack((qd, kd, vd), dim=-1)), torch.bfloat16
+        fp8_args, low = dict(descale=(qd, kd, vd)), torch.bfloat16
     sinks = torch.randn(8, device="cuda") if with_sinks else None
     view = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731 - (1, H, total, D), as ops passes them
     pattern = Pattern.make(max(lengths_q), max(lengths_k), causal=causal)
@@ -182,13 +182,13 @@ hopper_forward = hopper.forward
 
 
 def _fp8(q, k, v):
-    """FP8 q, k, v (each kv head's group scaled alike), their (B, Hkv, 3) descales as the kernels take them,
+    """FP8 q, k, v (each kv head's group scaled alike), their (B, Hkv) descales as the kernels take them,
     and the dequantised float64 values they stand for."""
     group = q.shape[1] // k.shape[1]
     (q8, qd), (k8, kd), (v8, vd) = gstar.quantize_fp8(q, kv_heads=k.shape[1]), *map(gstar.quantize_fp8, (k, v))
     deq = [x.double() * d.double().repeat_interleave(g, 1)[:, :, None, None]
            for x, d, g in ((q8, qd, group), (k8, kd, 1), (v8, vd, 1))]
-    return (q8, k8, v8), torch.stack((qd, kd, vd), dim=-1), deq
+    return (q8, k8, v8), (qd, kd, vd), deq
 
 
 @pytest.mark.gpu

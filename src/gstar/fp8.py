@@ -83,18 +83,21 @@ def expand(descale: torch.Tensor, heads: int, cu_seqlens, like: torch.Tensor) ->
     return descale[_sequence_of_rows(cu_seqlens, like.shape[0])][:, :, None]
 
 
-def dequantize(x: torch.Tensor, descale: torch.Tensor, cu_seqlens, dtype: torch.dtype) -> torch.Tensor:
-    """``x * descale`` in ``dtype``: the inputs the PyTorch path attends to."""
+def dequantize(x: torch.Tensor, descale: torch.Tensor | None, cu_seqlens, dtype: torch.dtype) -> torch.Tensor:
+    """``x * descale`` in ``dtype`` (descale None: 1): the inputs the PyTorch path attends to."""
+    if descale is None:
+        return x.to(dtype)
     return (x.float() * expand(descale, x.shape[1 if cu_seqlens is not None else 1], cu_seqlens, x)).to(dtype)
 
 
 def check(q, k, v, *, q_descale, k_descale, v_descale, out_dtype, sinks, scale, batch: int, kv_heads: int,
-          backend: str, check_values: bool = True) -> tuple[torch.Tensor, torch.dtype] | None:
+          backend: str, check_values: bool = True) -> tuple[tuple, torch.dtype] | None:
     """The FP8 arguments of an attention call: None when k is not FP8 (then descales and out_dtype must be None
-    too); else (q FP8, or 16-bit against an FP8 cache) ``(descale, out_dtype)``, descale (batch, kv_heads, 3)
-    float32 contiguous on q's device: q's, k's and v's descales (what the kernels take). Their values are
-    checked positive and finite (one sync) unless ``check_values`` is False, torch.compile traces or a CUDA
-    graph is being captured."""
+    too); else (q FP8, or 16-bit against an FP8 cache) ``(descales, out_dtype)``, descales the tuple of q's, k's
+    and v's descales as the kernels take them: each None (one: not given, or a 16-bit q's) or a float32 view
+    broadcast to (batch, kv_heads) on q's device (no copy, so a call launches nothing of its own for them).
+    Their values are checked positive and finite (one sync) unless ``check_values`` is False, torch.compile
+    traces or a CUDA graph is being captured."""
     descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
     if k.dtype != FP8:
         given = [name for name, d in descales.items() if d is not None] + (["out_dtype"] if out_dtype else [])
@@ -118,26 +121,27 @@ def check(q, k, v, *, q_descale, k_descale, v_descale, out_dtype, sinks, scale, 
     out_dtype = out_dtype or (torch.bfloat16 if q.dtype == FP8 else q.dtype)
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
-    full = []
+    views = []
     for name, d in descales.items():
         if d is None:
-            full.append(torch.ones(batch, kv_heads, device=q.device))
+            views.append(None)
             continue
         if not isinstance(d, torch.Tensor) or not d.is_floating_point() or d.device != q.device:
             raise TypeError(f"{name} must be a float tensor on {q.device}, got "
                             f"{getattr(d, 'dtype', type(d).__name__)} on {getattr(d, 'device', '-')}")
         try:
-            full.append(d.float().expand(batch, kv_heads))
+            views.append(d.float().expand(batch, kv_heads))                               # (batch, Hkv)
         except RuntimeError:
             raise ValueError(f"{name} must broadcast to ({batch}, {kv_heads}) (sequences, kv heads), got shape "
                              f"{tuple(d.shape)}") from None
-    descale = torch.stack(full, dim=-1).contiguous()                                      # (batch, Hkv, 3)
+    given = [(name, d) for name, d in zip(descales, views) if d is not None]
     # neither a graph being compiled nor a CUDA graph capture can read values on the host (compiling asks
     # first: Dynamo cannot trace the capture query)
-    if check_values and not torch.compiler.is_compiling() and not (
+    if given and check_values and not torch.compiler.is_compiling() and not (
             q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        good = ((descale > 0) & descale.isfinite()).flatten(0, 1).all(0).tolist()  # one sync for all three
-        bad = [name for name, ok in zip(descales, good) if not ok]
+        stacked = torch.stack([d for _, d in given])                                      # (given, batch, Hkv)
+        good = ((stacked > 0) & stacked.isfinite()).flatten(1).all(1).tolist()  # one sync for all of them
+        bad = [name for (name, _), ok in zip(given, good) if not ok]
         if bad:
             raise ValueError(f"{', '.join(bad)} must be positive and finite")
-    return descale, out_dtype
+    return tuple(views), out_dtype

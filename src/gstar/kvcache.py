@@ -184,8 +184,9 @@ def _torch_path(q, cache: Cache, lengths: list[int], sinks, patterns, scale, des
         pattern = patterns(nk)
         pages = _pages(pattern, cache.block_size) if cache.paged else None
         qkv = (q[b:b + 1], *cache.keys(b, pages, nk))
-        if descale is not None:  # the dequantised inputs in the output's dtype (q 16-bit: its descale is 1)
-            qkv = (fp8.dequantize(t, descale[b:b + 1, :, i], None, out_dtype) for i, t in enumerate(qkv))
+        if descale is not None:  # the dequantised inputs in the output's dtype (a 16-bit q: no descale)
+            qkv = (fp8.dequantize(t, None if d is None else d[b:b + 1], None, out_dtype)
+                   for t, d in zip(qkv, descale))
         out, lse = ops.run_forward(ops.Inputs(*qkv, sinks, None, None), ops.Options(pattern, scale, "torch"))
         outs.append(out)
         lses.append(lse)
@@ -270,6 +271,7 @@ def _attend(q, k_cache, v_cache, block_table, cache_seqlens, sinks, added, causa
     arguments, those of the operator below (``num_splits`` 0: picked by the rule; ``descale``, ``out_dtype``:
     an FP8 cache's, from :func:`gstar.fp8.check`, else None)."""
     cache, patterns = Cache(k_cache, v_cache, block_table), _patterns(q.shape[2], causal, (left, right), sink_tokens)
+    descale = None if descale is None else tuple(descale)  # the operator hands the tuple over as a list
     if backend == "torch":
         lengths = ([n + added for n in cache_seqlens.tolist()] if cache_seqlens is not None
                    else [cache.capacity] * q.shape[0])
@@ -285,7 +287,7 @@ decode_op = torch.library.custom_op(
     "gstar::decode", _attend, mutates_args=(),
     schema="(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? block_table, Tensor? cache_seqlens, Tensor? sinks, "
            "SymInt added, bool causal, SymInt left, SymInt right, SymInt sink_tokens, float scale, SymInt num_splits, "
-           "str backend, Tensor? descale, ScalarType? out_dtype) -> (Tensor, Tensor)")
+           "str backend, Tensor?[]? descale, ScalarType? out_dtype) -> (Tensor, Tensor)")
 
 
 @decode_op.register_fake

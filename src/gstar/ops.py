@@ -114,19 +114,19 @@ def _empty_result(q: torch.Tensor, width: int, sinks: torch.Tensor | None, packe
     return out, lse
 
 
-def run_forward(inputs: Inputs, options: Options, descale: torch.Tensor | None = None,
+def run_forward(inputs: Inputs, options: Options, descale: tuple | None = None,
                 out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns out, q's shape with v's head dim Dv and q's dtype (dense: q's memory layout; packed:
     contiguous), and lse, (B, Hq, Nq) or packed (Hq, total_q), float32 (float64 for float64 inputs).
-    FP8 inputs (forward only): ``descale`` (B or num_seqs, Hkv, 3) float32, the descales of q, k and v
-    (:func:`gstar.fp8.check`), and out in ``out_dtype``; the PyTorch path runs on the dequantised inputs."""
+    FP8 inputs (forward only): ``descale`` the descales of q, k and v, each None or (B or num_seqs, Hkv)
+    float32 (:func:`gstar.fp8.check`), and out in ``out_dtype``; the PyTorch path runs on the dequantised inputs."""
     q, k, v, sinks, cu_q, cu_k = inputs
     fp8_kernel = {}
     if descale is not None:
         if options.backend == "torch":
             from .fp8 import dequantize
-            q, k, v = (dequantize(t, descale[..., i], cu, out_dtype)
-                       for i, (t, cu) in enumerate(((q, cu_q), (k, cu_k), (v, cu_k))))
+            q, k, v = (dequantize(t, d, cu, out_dtype)
+                       for t, d, cu in zip((q, k, v), descale, (cu_q, cu_k, cu_k)))
         else:
             fp8_kernel = dict(descale=descale, out_dtype=out_dtype)
     packed = cu_q is not None
@@ -187,12 +187,12 @@ backward_op = torch.library.custom_op(
 
 def _fp8_forward_op(*args):
     *args, descale, out_dtype = args
-    return run_forward(*_named(tuple(args)), descale, out_dtype)
+    return run_forward(*_named(tuple(args)), tuple(descale), out_dtype)
 
 
 # FP8 inputs: forward only (no autograd formula), the descales and the output dtype after the common arguments
 fp8_forward_op = torch.library.custom_op("gstar::attention_forward_fp8", _fp8_forward_op, mutates_args=(),
-                                         schema=f"({_ARGS}, Tensor descale, ScalarType out_dtype) -> (Tensor, Tensor)")
+                                         schema=f"({_ARGS}, Tensor?[] descale, ScalarType out_dtype) -> (Tensor, Tensor)")
 
 
 def _fake_forward(inputs: Inputs, out_dtype=None):

@@ -21,7 +21,7 @@ from .. import buffers
 from . import descriptors, hopper, hopper_backward
 from .backward import _dkdv, _dq, _sum_partials
 from .configs import BackwardConfig, backward_config, dot_precision, forward_config, pad_head_dim
-from .forward import _forward_kernel, tiles_fastest
+from .forward import _forward_kernel, descale_strides, tiles_fastest
 from .launch import constexprs, launch
 from .schedule import split_plan
 from .widen import widen
@@ -41,8 +41,8 @@ class _ForwardPlan(NamedTuple):
     grid: tuple[int, int, int]
     lse_shape: tuple[int, int, int]
     head: tuple   # scalars before Out's strides: the strides of q, k, v
-    tail: tuple   # scalars after them: Lse's strides, group, Nq, Nk, left, right, sink_tokens, qk_scale, and
-                  # the descales' batch stride
+    tail: tuple   # scalars after them: Lse's strides, group, Nq, Nk, left, right, sink_tokens, qk_scale (the
+                  # descales' strides follow at each call: views the caller made)
     options: tuple  # constexprs and launch options
 
 
@@ -68,7 +68,7 @@ def _forward_plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tup
     return _ForwardPlan(
         grid, (B, Hq, Nq), tuple(batch_strides(s, varlen) for s in (q_stride, k_stride, v_stride)),
         ((0 if varlen else Hq * Nq, Nq), Hq // Hkv, Nq, Nk, pattern.left, pattern.right, pattern.sink_tokens,
-         scale * LOG2E, Hkv * 3),
+         scale * LOG2E),
         constexprs(
             HEAD_DIM=D, VALUE_DIM=Dv, BLOCK_M=block_m, BLOCK_N=block_n, PACK=pack, HAS_LEFT=has_left, HAS_RIGHT=has_right,
             HAS_SINK_TOKENS=pattern.sink_tokens > 0, FLAT=bool(cfg["FLAT"]), HALVES=bool(cfg["HALVES"]),
@@ -91,8 +91,8 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
     take :mod:`.hopper`'s; ``PACK_GQA`` is a request that shrinks to the
     largest power of two dividing the GQA group.
 
-    FP8 (float8_e4m3fn q, k, v): ``descale`` (B or num_seqs, Hkv, 3) float32 contiguous, per kv head the
-    descales of q, k and v (positive); ``out_dtype`` the output's dtype (16 or 32 bits). ``P V`` runs in
+    FP8 (float8_e4m3fn q, k, v): ``descale`` the descales of q, k and v, each None (1) or a float32 (B or
+    num_seqs, Hkv) tensor, any strides (positive values; :func:`gstar.fp8.check`); ``out_dtype`` the output's dtype (16 or 32 bits). ``P V`` runs in
     bfloat16 (P in FP8 misses the accuracy bar, docs/design.md section 4), so V is widened first, exactly
     (every e4m3 value is a bfloat16 value), in one streaming pass: faster than widening each block in the loop
     (benchmarks/NOTES.md, 'FP8: V widened before both forward kernels').
@@ -122,7 +122,7 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
     lse = buffers.empty(plan.lse_shape, dtype=torch.float32, device=q.device)      # (B, Hq, Nq)
     cu_q, cu_k = cu_seqlens if varlen else (None, None)
     launch(_forward_kernel, plan.grid, (q_in, k, v, sinks, out, lse, cu_q, cu_k, descale),
-           (*plan.head, batch_strides(out.stride(), varlen), *plan.tail), plan.options)
+           (*plan.head, batch_strides(out.stride(), varlen), *plan.tail, descale_strides(descale)), plan.options)
     return out, lse
 
 

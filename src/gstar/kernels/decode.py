@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ..pattern import Pattern, cdiv, kv_blocks
 from .configs import capability_major, dot_precision, pad_head_dim
-from .forward import finish_state, load_descales, softmax_step, start_state
+from .forward import descale_strides, finish_state, load_descales, softmax_step, start_state
 from .launch import constexprs, launch
 from .ranges import kv_range
 
@@ -116,8 +116,8 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, Descale,
     (batch, head, split, row) and (batch, head, split): this program's partial, LSE -inf where it saw no key.
     stride_q, stride_k, stride_v: (batch, head, row), or (page, row, head) for a paged cache.
     qk_scale = scale * log2(e) > 0. An FP8 cache (float8_e4m3fn K, V; Q FP8 too, or 16-bit and its keys
-    widened to Q's dtype): Descale (B, Hkv, 3) float32 with batch stride ``stride_ds``
-    (:func:`gstar.kernels.forward.load_descales`), else None; PTX_WIDEN as :func:`_widen_values` takes it.
+    widened to Q's dtype): Descale and ``stride_ds`` the descales as :func:`gstar.kernels.forward.load_descales`
+    takes them, else None; PTX_WIDEN as :func:`_widen_values` takes it.
     """
     D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
     DV_PAD: tl.constexpr = pad_head_dim(VALUE_DIM)
@@ -272,8 +272,9 @@ def decode_forward(q, cache, cache_seqlens, added: int, sinks, pattern: Pattern,
     """``(out, lse)`` of :func:`gstar.flash_attention_with_kvcache` on validated inputs (the cache already
     appended to). ``cache``: a :class:`gstar.kvcache.Cache`; ``cache_seqlens``: (B,) int32 or None (every
     sequence full); ``added``: keys appended this call; ``pattern``: nq and the window (its nk is unused:
-    each sequence's is read on the device); ``sinks``: None or (Hq,) float32. An FP8 cache: ``descale``
-    (B, Hkv, 3) float32 contiguous (q's, k's and v's descales) and ``out_dtype`` (default q's dtype)."""
+    each sequence's is read on the device); ``sinks``: None or (Hq,) float32. An FP8 cache: ``descale`` the
+    descales of q, k and v, each None (1) or a float32 (B, Hkv) view (:func:`gstar.fp8.check`), and
+    ``out_dtype`` (default q's dtype)."""
     B, Hq, nq, D = q.shape
     k, v = cache.k, cache.v
     Hkv, Dv = (k.shape[2] if cache.paged else k.shape[1]), v.shape[-1]
@@ -291,7 +292,7 @@ def decode_forward(q, cache, cache_seqlens, added: int, sinks, pattern: Pattern,
     scalars = (tuple(q_in.stride()[:3]), tuple(k.stride()[:3]), tuple(v.stride()[:3]),
                table.stride(0) if cache.paged else 0)
     bounds = (Hq // Hkv, added, pattern.left, pattern.right, pattern.sink_tokens,
-              cache.block_size if cache.paged else 1, scale * math.log2(math.e), Hkv * 3)
+              cache.block_size if cache.paged else 1, scale * math.log2(math.e), descale_strides(descale))
     if plan.splits == 1:
         launch(_decode, plan.grid, (q_in, k, v, table, cache_seqlens, sinks, out, lse, descale),
                (*scalars, tuple(out.stride()[:3]), tuple(lse.stride()[:2]), nq, *bounds), plan.options)

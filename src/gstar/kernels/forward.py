@@ -129,16 +129,26 @@ def _attend_blocks(acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2,
     return acc, m_i, l_i, acc2, m2, l2
 
 
+def descale_strides(descale) -> tuple:
+    """The (batch, head) strides of q's, k's and v's descales, six ints as :func:`load_descales` takes them (0
+    for one that is None, and all 0 without FP8 inputs)."""
+    return tuple(s for d in (descale or (None,) * 3) for s in (d.stride() if d is not None else (0, 0)))
+
+
 @triton.jit
 def load_descales(Descale, b, h_kv, stride_ds, qk_scale):
-    """FP8 inputs' descales of kv head ``h_kv`` of sequence ``b`` (Descale: (B, Hkv, 3) float32, q's, k's and
-    v's; ``stride_ds`` its batch stride): ``(qk_scale, v_descale)``, q's and k's folded into the score factor.
-    Without them (Descale None): ``(qk_scale, 1.0)``."""
+    """FP8 inputs' descales of kv head ``h_kv`` of sequence ``b``: ``(qk_scale, v_descale)``, q's and k's folded
+    into the score factor. Descale: None (no FP8 inputs: ``(qk_scale, 1.0)``) or the tuple of q's, k's and v's
+    descales, each None (a descale of 1) or float32 (B, Hkv) with (batch, head) strides ``stride_ds[2i:2i + 2]``
+    (:func:`descale_strides`; a broadcast view's may be 0)."""
     v_descale = 1.0
     if Descale is not None:
-        ds = Descale + b * stride_ds + h_kv * 3
-        qk_scale = qk_scale * tl.load(ds) * tl.load(ds + 1)
-        v_descale = tl.load(ds + 2)
+        if Descale[0] is not None:
+            qk_scale = qk_scale * tl.load(Descale[0] + b * stride_ds[0] + h_kv * stride_ds[1])
+        if Descale[1] is not None:
+            qk_scale = qk_scale * tl.load(Descale[1] + b * stride_ds[2] + h_kv * stride_ds[3])
+        if Descale[2] is not None:
+            v_descale = tl.load(Descale[2] + b * stride_ds[4] + h_kv * stride_ds[5])
     return qk_scale, v_descale
 
 
@@ -219,8 +229,8 @@ def _forward_kernel(
     qk_scale = scale * log2(e) > 0. HAS_LEFT, HAS_RIGHT: whether ``left`` / ``right`` bound the
     window; HAS_SINK_TOKENS: whether ``sink_tokens`` > 0 (under a left bound).
     FP8 inputs (float8_e4m3fn Q and K; V widened to bfloat16 before the launch, so that ``P V`` runs in
-    bfloat16): Descale (B, Hkv, 3) float32 with batch stride ``stride_ds`` (:func:`load_descales`), Out
-    bfloat16, float16 or float32; else Descale is None.
+    bfloat16): Descale and ``stride_ds`` the descales as :func:`load_descales` takes them, Out bfloat16,
+    float16 or float32; else Descale is None.
     PACK: query heads of one GQA group (PACK divides group) stacked in one tile of BLOCK_M rows, PACK
     heads times BLOCK_M // PACK positions: each K/V block is loaded once for all of them.
     FLAT: walk the window band in one loop with every block masked, instead of masked / unmasked / masked.

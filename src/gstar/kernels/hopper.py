@@ -44,7 +44,7 @@ from triton.language.core import base_value  # a field that is a tensor in some 
 from ..fp8 import FP8
 from ..pattern import Pattern, cdiv
 from . import configs, descriptors, schedule
-from .forward import finish_state, load_descales, softmax_step, tiles_fastest
+from .forward import descale_strides, finish_state, load_descales, softmax_step, tiles_fastest
 from .ranges import kv_range, sequence_bounds
 
 LOG2E = gl.constexpr(math.log2(math.e))
@@ -460,10 +460,9 @@ def _forward_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sinks, Descale, Cu
     strides. Sinks: None or (Hq,) float32; Hkv = Hq // group; qk_scale = scale * log2(e) > 0; the pattern
     scalars as in :func:`gstar.kernels.forward._forward_kernel`.
 
-    FP8 (q_desc, k_desc over float8_e4m3fn; v_desc over V widened to bfloat16, exactly): Descale (B or
-    num_seqs, Hkv, 3) float32 with batch stride ``stride_ds``, per kv head the descales of q, k and v
-    (:func:`gstar.kernels.forward.load_descales`); q's and k's join qk_scale, v's multiplies the output. Else
-    None.
+    FP8 (q_desc, k_desc over float8_e4m3fn; v_desc over V widened to bfloat16, exactly): Descale and
+    ``stride_ds`` the descales of q, k and v as :func:`gstar.kernels.forward.load_descales` takes them; q's and
+    k's join qk_scale, v's multiplies the output. Else None.
     """
     # Q slots (pairs of 64-row halves): a persistent program's next item lands while this one's last steps run
     Q_SLOTS: gl.constexpr = 2 if PERSISTENT else 1
@@ -551,7 +550,8 @@ def forward(q, k, v, sinks, out, lse, pattern: Pattern, scale: float, cu_seqlens
     heads-first views q, out: (1, Hq, total_q, D), k, v: (1, Hkv, total_k, D), lse: (1, Hq, total_q), and
     ``pattern`` carries the longest lengths. sinks: None or (Hq,) float32; scale > 0. FP8 (q, k
     float8_e4m3fn, v widened to bfloat16 as :func:`gstar.kernels.attention.attention_forward` does):
-    ``descale`` (B or num_seqs, Hkv, 3) as :func:`_forward_kernel` takes it, ``out`` 16 or 32 bits."""
+    ``descale`` the descales of q, k and v (:func:`gstar.kernels.attention.attention_forward`), ``out`` 16 or
+    32 bits."""
     B, Hq, _, D = q.shape
     cu_q, cu_k = cu_seqlens or (None, None)
     seqs = B if cu_q is None else cu_q.shape[0] - 1
@@ -570,7 +570,7 @@ def forward(q, k, v, sinks, out, lse, pattern: Pattern, scale: float, cu_seqlens
         _descriptor(q, ROWS.value), _descriptor(k, BLOCK_N.value), _descriptor(v, BLOCK_N.value),
         _descriptor(out, ROWS.value), None if cu_q is None else out, lse, sinks, descale, cu_q, cu_k, q.shape[2],
         k.shape[2], Hq, Hq // k.shape[1], tiles, seqs, max(pattern.left, 0), max(pattern.right, 0), pattern.sink_tokens,
-        scale * LOG2E.value, k.shape[1] * 3, (out.stride(1), out.stride(2)), (lse.stride(0), lse.stride(1)), HEAD_DIM=D,
+        scale * LOG2E.value, descale_strides(descale), (out.stride(1), out.stride(2)), (lse.stride(0), lse.stride(1)), HEAD_DIM=D,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, HAS_SINK_TOKENS=pattern.sink_tokens > 0, PERSISTENT=persistent,
         num_warps=4,
         maxnreg=168)
