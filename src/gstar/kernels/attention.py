@@ -21,7 +21,7 @@ from .. import buffers
 from . import descriptors, hopper, hopper_backward
 from .backward import _dkdv, _dq, _sum_partials
 from .configs import BackwardConfig, backward_config, dot_precision, forward_config, pad_head_dim
-from .forward import _forward_kernel, descale_strides, tiles_fastest
+from .forward import _forward_kernel, descale_args, tiles_fastest
 from .launch import constexprs, launch
 from .schedule import split_plan
 from .widen import widen
@@ -121,8 +121,9 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
                          tuple(sorted(config.items())) if config else None, dot_precision(q.dtype))
     lse = buffers.empty(plan.lse_shape, dtype=torch.float32, device=q.device)      # (B, Hq, Nq)
     cu_q, cu_k = cu_seqlens if varlen else (None, None)
-    launch(_forward_kernel, plan.grid, (q_in, k, v, sinks, out, lse, cu_q, cu_k, descale),
-           (*plan.head, batch_strides(out.stride(), varlen), *plan.tail, descale_strides(descale)), plan.options)
+    descales, descale_strides = descale_args(descale)
+    launch(_forward_kernel, plan.grid, (q_in, k, v, sinks, out, lse, cu_q, cu_k, *descales),
+           (*plan.head, batch_strides(out.stride(), varlen), *plan.tail, descale_strides), plan.options)
     return out, lse
 
 

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ..pattern import Pattern, cdiv, kv_blocks
 from .configs import capability_major, dot_precision, pad_head_dim
-from .forward import descale_strides, finish_state, load_descales, softmax_step, start_state
+from .forward import descale_args, finish_state, load_descales, softmax_step, start_state
 from .launch import constexprs, launch
 from .ranges import kv_range
 
@@ -102,7 +102,7 @@ def _attend(acc, m_i, l_i, q, rows, i_lo, i_hi, blocks, rule, qk_scale, HEAD_DIM
 
 # lengths, bounds and row counts change between calls: specialising on them would recompile a decode loop
 @triton.jit(do_not_specialize=["nq", "group", "added", "left", "right", "sink_tokens", "page_size"])
-def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, Descale,
+def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, QDescale, KDescale, VDescale,
             stride_q, stride_k, stride_v, stride_bt, stride_o, stride_lse,
             nq, group, added, left, right, sink_tokens, page_size, qk_scale, stride_ds,
             HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -116,8 +116,8 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, Descale,
     (batch, head, split, row) and (batch, head, split): this program's partial, LSE -inf where it saw no key.
     stride_q, stride_k, stride_v: (batch, head, row), or (page, row, head) for a paged cache.
     qk_scale = scale * log2(e) > 0. An FP8 cache (float8_e4m3fn K, V; Q FP8 too, or 16-bit and its keys
-    widened to Q's dtype): Descale and ``stride_ds`` the descales as :func:`gstar.kernels.forward.load_descales`
-    takes them, else None; PTX_WIDEN as :func:`_widen_values` takes it.
+    widened to Q's dtype): QDescale, KDescale, VDescale and ``stride_ds`` the descales as
+    :func:`gstar.kernels.forward.load_descales` takes them, else None; PTX_WIDEN as :func:`_widen_values` takes it.
     """
     D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
     DV_PAD: tl.constexpr = pad_head_dim(VALUE_DIM)
@@ -128,7 +128,7 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, Descale,
     tile = tl.program_id(1) // kv_heads
     b = tl.program_id(2).to(tl.int64)
     nk = tl.load(Seqlens + b) + added
-    qk_scale, v_descale = load_descales(Descale, b, hkv, stride_ds, qk_scale)
+    qk_scale, v_descale = load_descales(QDescale, KDescale, VDescale, b, hkv, stride_ds, qk_scale)
 
     offs_r = tile * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,) stacked rows of the group
     real = offs_r < group * nq
@@ -165,7 +165,7 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, Descale,
                             HEAD_DIM, VALUE_DIM, BLOCK_N, PAGED, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, PRECISION,
                             PTX_WIDEN, True)
 
-    if Descale is not None:  # v's descale: one multiply of the finished rows (a split's partial alike)
+    if VDescale is not None:  # v's descale: one multiply of the finished rows (a split's partial alike)
         acc = acc * v_descale
     out, lse = finish_state(acc, m_i, l_i)  # (BLOCK_R, DV_PAD), (BLOCK_R,)
     value_ok = real[:, None] & (offs_dv[None, :] < VALUE_DIM)
@@ -291,15 +291,16 @@ def decode_forward(q, cache, cache_seqlens, added: int, sinks, pattern: Pattern,
     table = cache.block_table
     scalars = (tuple(q_in.stride()[:3]), tuple(k.stride()[:3]), tuple(v.stride()[:3]),
                table.stride(0) if cache.paged else 0)
+    descales, descale_strides = descale_args(descale)
     bounds = (Hq // Hkv, added, pattern.left, pattern.right, pattern.sink_tokens,
-              cache.block_size if cache.paged else 1, scale * math.log2(math.e), descale_strides(descale))
+              cache.block_size if cache.paged else 1, scale * math.log2(math.e), descale_strides)
     if plan.splits == 1:
-        launch(_decode, plan.grid, (q_in, k, v, table, cache_seqlens, sinks, out, lse, descale),
+        launch(_decode, plan.grid, (q_in, k, v, table, cache_seqlens, sinks, out, lse, *descales),
                (*scalars, tuple(out.stride()[:3]), tuple(lse.stride()[:2]), nq, *bounds), plan.options)
         return out, lse
     part = torch.empty((B, Hq, plan.splits, nq, Dv), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((B, Hq, plan.splits, nq), dtype=torch.float32, device=q.device)
-    launch(_decode, plan.grid, (q_in, k, v, table, cache_seqlens, None, part, part_lse, descale),
+    launch(_decode, plan.grid, (q_in, k, v, table, cache_seqlens, None, part, part_lse, *descales),
            (*scalars, tuple(part.stride()[:4]), tuple(part_lse.stride()[:3]), nq, *bounds), plan.options)
     launch(_combine, (nq, Hq, B), (part, part_lse, sinks, out, lse),
            (tuple(part.stride()[:4]), tuple(part_lse.stride()[:3]), tuple(out.stride()[:3]),

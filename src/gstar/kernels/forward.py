@@ -129,26 +129,26 @@ def _attend_blocks(acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2,
     return acc, m_i, l_i, acc2, m2, l2
 
 
-def descale_strides(descale) -> tuple:
-    """The (batch, head) strides of q's, k's and v's descales, six ints as :func:`load_descales` takes them (0
-    for one that is None, and all 0 without FP8 inputs)."""
-    return tuple(s for d in (descale or (None,) * 3) for s in (d.stride() if d is not None else (0, 0)))
+def descale_args(descale) -> tuple:
+    """A call's descales as the kernels take them: ``(q's, k's, v's)`` pointer arguments (each None for a
+    descale of 1; all three None without FP8 inputs) and their (batch, head) strides, six ints (0 for None)."""
+    descale = descale or (None,) * 3
+    return descale, tuple(s for d in descale for s in (d.stride() if d is not None else (0, 0)))
 
 
 @triton.jit
-def load_descales(Descale, b, h_kv, stride_ds, qk_scale):
+def load_descales(QDescale, KDescale, VDescale, b, h_kv, stride_ds, qk_scale):
     """FP8 inputs' descales of kv head ``h_kv`` of sequence ``b``: ``(qk_scale, v_descale)``, q's and k's folded
-    into the score factor. Descale: None (no FP8 inputs: ``(qk_scale, 1.0)``) or the tuple of q's, k's and v's
-    descales, each None (a descale of 1) or float32 (B, Hkv) with (batch, head) strides ``stride_ds[2i:2i + 2]``
-    (:func:`descale_strides`; a broadcast view's may be 0)."""
+    into the score factor. Each of QDescale, KDescale, VDescale is None (a descale of 1) or float32 (B, Hkv),
+    its (batch, head) strides ``stride_ds[2i:2i + 2]`` (:func:`descale_args`; a broadcast view's may be 0).
+    Three pointers rather than a tuple: Triton 3.6 cannot take a tuple argument with a None in it."""
     v_descale = 1.0
-    if Descale is not None:
-        if Descale[0] is not None:
-            qk_scale = qk_scale * tl.load(Descale[0] + b * stride_ds[0] + h_kv * stride_ds[1])
-        if Descale[1] is not None:
-            qk_scale = qk_scale * tl.load(Descale[1] + b * stride_ds[2] + h_kv * stride_ds[3])
-        if Descale[2] is not None:
-            v_descale = tl.load(Descale[2] + b * stride_ds[4] + h_kv * stride_ds[5])
+    if QDescale is not None:
+        qk_scale = qk_scale * tl.load(QDescale + b * stride_ds[0] + h_kv * stride_ds[1])
+    if KDescale is not None:
+        qk_scale = qk_scale * tl.load(KDescale + b * stride_ds[2] + h_kv * stride_ds[3])
+    if VDescale is not None:
+        v_descale = tl.load(VDescale + b * stride_ds[4] + h_kv * stride_ds[5])
     return qk_scale, v_descale
 
 
@@ -210,7 +210,7 @@ def _finish_rows(Out, Lse, acc, m_i, l_i, offs, h0, row_start, q_start, b, strid
 # recompile the kernel for new lengths and buys nothing, since they only enter masks and loop bounds
 @triton.jit(do_not_specialize=["Nq", "Nk", "left", "right", "sink_tokens"])
 def _forward_kernel(
-        Q, K, V, Sinks, Out, Lse, CuQ, CuK, Descale,
+        Q, K, V, Sinks, Out, Lse, CuQ, CuK, QDescale, KDescale, VDescale,
         stride_q, stride_k, stride_v, stride_o, stride_lse,
         group, Nq, Nk, left, right, sink_tokens, qk_scale, stride_ds,
         HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -229,8 +229,8 @@ def _forward_kernel(
     qk_scale = scale * log2(e) > 0. HAS_LEFT, HAS_RIGHT: whether ``left`` / ``right`` bound the
     window; HAS_SINK_TOKENS: whether ``sink_tokens`` > 0 (under a left bound).
     FP8 inputs (float8_e4m3fn Q and K; V widened to bfloat16 before the launch, so that ``P V`` runs in
-    bfloat16): Descale and ``stride_ds`` the descales as :func:`load_descales` takes them, Out bfloat16,
-    float16 or float32; else Descale is None.
+    bfloat16): QDescale, KDescale, VDescale and ``stride_ds`` the descales as :func:`load_descales` takes
+    them, Out bfloat16, float16 or float32; else the three are None.
     PACK: query heads of one GQA group (PACK divides group) stacked in one tile of BLOCK_M rows, PACK
     heads times BLOCK_M // PACK positions: each K/V block is loaded once for all of them.
     FLAT: walk the window band in one loop with every block masked, instead of masked / unmasked / masked.
@@ -255,7 +255,7 @@ def _forward_kernel(
         if row_start >= Nq:
             return
     h_kv = (h0 // group).to(tl.int64)
-    qk_scale, v_descale = load_descales(Descale, b, h_kv, stride_ds, qk_scale)
+    qk_scale, v_descale = load_descales(QDescale, KDescale, VDescale, b, h_kv, stride_ds, qk_scale)
 
     R: tl.constexpr = BLOCK_M // 2 if HALVES else BLOCK_M  # rows per softmax state
     offs_m = tl.arange(0, R)
@@ -294,7 +294,7 @@ def _forward_kernel(
                 HAS_RIGHT=HAS_RIGHT, HAS_SINK_TOKENS=HAS_SINK_TOKENS, MASKED=segment != 2,
                 MAY_BE_EMPTY=Sinks is None, PRECISION=PRECISION, HALVES=HALVES)
 
-    if Descale is not None:  # v's descale: one multiply of the finished tile
+    if VDescale is not None:  # v's descale: one multiply of the finished tile
         acc, acc2 = acc * v_descale, acc2 * v_descale
     _finish_rows(Out, Lse, acc, m_i, l_i, offs_m, h0, row_start, q_start, b, stride_o, stride_lse, Nq, ROWS,
                  VALUE_DIM)

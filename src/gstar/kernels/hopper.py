@@ -44,7 +44,7 @@ from triton.language.core import base_value  # a field that is a tensor in some 
 from ..fp8 import FP8
 from ..pattern import Pattern, cdiv
 from . import configs, descriptors, schedule
-from .forward import descale_strides, finish_state, load_descales, softmax_step, tiles_fastest
+from .forward import descale_args, finish_state, load_descales, softmax_step, tiles_fastest
 from .ranges import kv_range, sequence_bounds
 
 LOG2E = gl.constexpr(math.log2(math.e))
@@ -354,9 +354,10 @@ def _tile(item, c, t, args, flags):
     natural-log LSE; returns the item's step count. Dense (Out None): the output leaves through the
     warpgroup's half of the Q slot (FP8: a slot of its own) and a TMA store, which clips rows past Nq and is
     waited for one item later. Packed: masked stores to Out, since the rows past this sequence's end are the
-    next sequence's. args, flags: as :func:`_consumer` passes them (Descale, stride_ds as
+    next sequence's. args, flags: as :func:`_consumer` passes them (the descales and stride_ds as
     :func:`_forward_kernel` takes them; q's and k's descales join qk_scale here)."""
-    o_desc, Out, Lse, Sinks, Descale, shared, group, pattern, qk_scale, stride_ds, stride_o, stride_lse = args
+    (o_desc, Out, Lse, Sinks, QDescale, KDescale, VDescale, shared, group, pattern, qk_scale, stride_ds, stride_o,
+     stride_lse) = args
     HAS_LEFT: gl.constexpr = flags.HAS_LEFT
     HAS_RIGHT: gl.constexpr = flags.HAS_RIGHT
     HAS_SINK_TOKENS: gl.constexpr = flags.HAS_SINK_TOKENS
@@ -372,7 +373,7 @@ def _tile(item, c, t, args, flags):
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     MAY_BE_EMPTY: gl.constexpr = Sinks is None
 
-    qk_scale, _ = load_descales(Descale, b, h // group, stride_ds, qk_scale)  # FP8: q's and k's join the scale
+    qk_scale, _ = load_descales(QDescale, KDescale, None, b, h // group, stride_ds, qk_scale)  # FP8: into the scale
     n_sink, band_start, lead_end, full_end, n = _block_range(row0, Nq, Nk, left, right, sink_tokens,
                                                              HAS_LEFT, HAS_RIGHT)
     Q_SLOTS: gl.constexpr = shared.q_ready.shape[0]
@@ -410,8 +411,8 @@ def _tile(item, c, t, args, flags):
         _free_last_output(t, shared)
     acc_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     out, lse = finish_state(acc, gl.convert_layout(m_i, acc_rows), gl.convert_layout(l_i, acc_rows))
-    if Descale is not None:  # FP8: v's descale, read here rather than held in a register through the loop
-        _, v_descale = load_descales(Descale, b, h // group, stride_ds, qk_scale)
+    if VDescale is not None:  # FP8: v's descale, read here rather than held in a register through the loop
+        _, v_descale = load_descales(None, None, VDescale, b, h // group, stride_ds, qk_scale)
         out = out * v_descale
     rows = gl.convert_layout(rows, acc_rows)
     gl.store(Lse + batch * stride_lse[0] + h * stride_lse[1] + q_start + rows, lse, mask=rows < Nq)
@@ -429,11 +430,12 @@ def _tile(item, c, t, args, flags):
 
 
 @gluon.jit
-def _consumer(o_desc, Out, Lse, Sinks, Descale, shared, walk, half: gl.constexpr, group, pattern, qk_scale, stride_ds,
-              stride_o, stride_lse, HEAD_DIM: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-              HAS_SINK_TOKENS: gl.constexpr, PERSISTENT: gl.constexpr):
+def _consumer(o_desc, Out, Lse, Sinks, QDescale, KDescale, VDescale, shared, walk, half: gl.constexpr, group, pattern,
+              qk_scale, stride_ds, stride_o, stride_lse, HEAD_DIM: gl.constexpr, HAS_LEFT: gl.constexpr,
+              HAS_RIGHT: gl.constexpr, HAS_SINK_TOKENS: gl.constexpr, PERSISTENT: gl.constexpr):
     """One warpgroup (``half`` of each tile's rows): every work item of the program (:func:`_tile`)."""
-    _walk(_tile, (o_desc, Out, Lse, Sinks, Descale, shared, group, pattern, qk_scale, stride_ds, stride_o, stride_lse),
+    _walk(_tile, (o_desc, Out, Lse, Sinks, QDescale, KDescale, VDescale, shared, group, pattern, qk_scale, stride_ds,
+                  stride_o, stride_lse),
           Flags(HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT, HAS_SINK_TOKENS=HAS_SINK_TOKENS, HEAD_DIM=HEAD_DIM,
                 half=half), walk, PERSISTENT)
     tma.store_wait(0)  # the last output read out of shared memory before the program ends
@@ -442,7 +444,8 @@ def _consumer(o_desc, Out, Lse, Sinks, Descale, shared, walk, half: gl.constexpr
 # lengths and window bounds change from call to call and only enter loop bounds and masks (as in the
 # portable kernel): no recompilation for new lengths
 @gluon.jit(do_not_specialize=["Nq", "Nk", "Hq", "n_tiles", "seqs", "left", "right", "sink_tokens"])
-def _forward_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sinks, Descale, CuQ, CuK, Nq, Nk, Hq, group,
+def _forward_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sinks, QDescale, KDescale, VDescale, CuQ, CuK, Nq, Nk,
+                    Hq, group,
                     n_tiles, seqs, left, right, sink_tokens, qk_scale, stride_ds, stride_o, stride_lse,
                     HEAD_DIM: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                     HAS_SINK_TOKENS: gl.constexpr, PERSISTENT: gl.constexpr):
@@ -460,9 +463,9 @@ def _forward_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sinks, Descale, Cu
     strides. Sinks: None or (Hq,) float32; Hkv = Hq // group; qk_scale = scale * log2(e) > 0; the pattern
     scalars as in :func:`gstar.kernels.forward._forward_kernel`.
 
-    FP8 (q_desc, k_desc over float8_e4m3fn; v_desc over V widened to bfloat16, exactly): Descale and
-    ``stride_ds`` the descales of q, k and v as :func:`gstar.kernels.forward.load_descales` takes them; q's and
-    k's join qk_scale, v's multiplies the output. Else None.
+    FP8 (q_desc, k_desc over float8_e4m3fn; v_desc over V widened to bfloat16, exactly): QDescale, KDescale,
+    VDescale and ``stride_ds`` the descales as :func:`gstar.kernels.forward.load_descales` takes them; q's and
+    k's join qk_scale, v's multiplies the output. Else the three are None.
     """
     # Q slots (pairs of 64-row halves): a persistent program's next item lands while this one's last steps run
     Q_SLOTS: gl.constexpr = 2 if PERSISTENT else 1
@@ -483,10 +486,12 @@ def _forward_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sinks, Descale, Cu
     # the default partition (this program's 4 warps) and a second 4-warp partition consume; a 1-warp
     # partition produces. Registers per thread: 240 for consumers, 24 for the producer (launch's maxnreg)
     gl.warp_specialize([
-        (_consumer, (o_desc, Out, Lse, Sinks, Descale, shared, walk, 0, group, pattern, qk_scale, stride_ds,
-                     stride_o, stride_lse, HEAD_DIM, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, PERSISTENT)),
-        (_consumer, (o_desc, Out, Lse, Sinks, Descale, shared, walk, 1, group, pattern, qk_scale, stride_ds,
-                     stride_o, stride_lse, HEAD_DIM, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, PERSISTENT)),
+        (_consumer, (o_desc, Out, Lse, Sinks, QDescale, KDescale, VDescale, shared, walk, 0, group, pattern,
+                     qk_scale, stride_ds, stride_o, stride_lse, HEAD_DIM, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
+                     PERSISTENT)),
+        (_consumer, (o_desc, Out, Lse, Sinks, QDescale, KDescale, VDescale, shared, walk, 1, group, pattern,
+                     qk_scale, stride_ds, stride_o, stride_lse, HEAD_DIM, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
+                     PERSISTENT)),
         (_producer, (q_desc, k_desc, v_desc, shared, walk, group, pattern, HAS_LEFT, HAS_RIGHT, PERSISTENT)),
     ], [4, 1], [240, 24])
 
@@ -566,11 +571,12 @@ def forward(q, k, v, sinks, out, lse, pattern: Pattern, scale: float, cu_seqlens
         grid = (min(items, schedule.sm_count(str(q.device))), )
     else:
         grid = (tiles, Hq, seqs) if tiles_fastest(has_left, has_right) else (Hq, tiles, seqs)
+    descales, descale_strides = descale_args(descale)
     _forward_kernel[grid](
         _descriptor(q, ROWS.value), _descriptor(k, BLOCK_N.value), _descriptor(v, BLOCK_N.value),
-        _descriptor(out, ROWS.value), None if cu_q is None else out, lse, sinks, descale, cu_q, cu_k, q.shape[2],
+        _descriptor(out, ROWS.value), None if cu_q is None else out, lse, sinks, *descales, cu_q, cu_k, q.shape[2],
         k.shape[2], Hq, Hq // k.shape[1], tiles, seqs, max(pattern.left, 0), max(pattern.right, 0), pattern.sink_tokens,
-        scale * LOG2E.value, descale_strides(descale), (out.stride(1), out.stride(2)), (lse.stride(0), lse.stride(1)), HEAD_DIM=D,
+        scale * LOG2E.value, descale_strides, (out.stride(1), out.stride(2)), (lse.stride(0), lse.stride(1)), HEAD_DIM=D,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, HAS_SINK_TOKENS=pattern.sink_tokens > 0, PERSISTENT=persistent,
         num_warps=4,
         maxnreg=168)

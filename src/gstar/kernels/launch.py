@@ -56,19 +56,13 @@ def constexprs(**kwargs) -> tuple:
 
 
 def _tensor_key(tensors: tuple) -> tuple | None:
-    """The cache key's share of the pointer arguments (tensors, None, or tuples of them), or None if one is
-    something else (a descriptor)."""
+    """The cache key's share of the pointer arguments, or None if one is not a tensor (a descriptor)."""
     key = []
     for t in tensors:
         if t is None:
             key.append(None)
         elif isinstance(t, torch.Tensor):
             key.append((t.dtype, t.data_ptr() % 16 == 0))
-        elif isinstance(t, tuple):  # a tuple argument (FP8's descales)
-            inner = _tensor_key(t)
-            if inner is None:
-                return None
-            key.append(inner)
         else:
             return None
     return tuple(key)
