@@ -225,7 +225,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_s
             step reads), as in :func:`gstar.flash_attention`: descales ``(B, Hkv)`` or broadcastable, fixed
             per sequence (appended keys and values are quantised with them). q may be FP8 too (with
             ``q_descale``) or float16 / bfloat16, the cache's keys then widened to q's dtype in registers (the
-            values to float16 either way: ``P V`` runs in float16). ``out_dtype`` defaults to q's dtype (bfloat16 for FP8 queries).
+            values to float16 either way: ``P V`` runs in float16). ``out_dtype`` defaults to q's dtype
+            (bfloat16 for FP8 queries).
 
     Returns ``out`` ``(B, Hq, Nq, Dv)`` in q's dtype (or out_dtype), or ``(out, lse)``.
     """

@@ -191,8 +191,9 @@ def _fp8_forward_op(*args):
 
 
 # FP8 inputs: forward only (no autograd formula), the descales and the output dtype after the common arguments
-fp8_forward_op = torch.library.custom_op("gstar::attention_forward_fp8", _fp8_forward_op, mutates_args=(),
-                                         schema=f"({_ARGS}, Tensor?[] descale, ScalarType out_dtype) -> (Tensor, Tensor)")
+fp8_forward_op = torch.library.custom_op(
+    "gstar::attention_forward_fp8", _fp8_forward_op, mutates_args=(),
+    schema=f"({_ARGS}, Tensor?[] descale, ScalarType out_dtype) -> (Tensor, Tensor)")
 
 
 def _fake_forward(inputs: Inputs, out_dtype=None):

@@ -92,10 +92,10 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
     largest power of two dividing the GQA group.
 
     FP8 (float8_e4m3fn q, k, v): ``descale`` the descales of q, k and v, each None (1) or a float32 (B or
-    num_seqs, Hkv) tensor, any strides (positive values; :func:`gstar.fp8.check`); ``out_dtype`` the output's dtype (16 or 32 bits). ``P V`` runs in
-    bfloat16 (P in FP8 misses the accuracy bar, docs/design.md section 4), so V is widened first, exactly
-    (every e4m3 value is a bfloat16 value), in one streaming pass: faster than widening each block in the loop
-    (benchmarks/NOTES.md, 'FP8: V widened before both forward kernels').
+    num_seqs, Hkv) tensor, any strides (positive values; :func:`gstar.fp8.check`); ``out_dtype`` the output's
+    dtype (16 or 32 bits). ``P V`` runs in bfloat16 (P in FP8 misses the accuracy bar, docs/design.md section
+    4), so V is widened first, exactly (every e4m3 value is a bfloat16 value), in one streaming pass: faster
+    than widening each block in the loop (benchmarks/NOTES.md, 'FP8: V widened before both forward kernels').
 
     out: (B, Hq, Nq, Dv) in q's dtype (or out_dtype), zero rows where no key is visible; dense: in q's memory layout,
     packed: a heads-first view of a contiguous (total_q, Hq, Dv) tensor.

@@ -576,7 +576,8 @@ def forward(q, k, v, sinks, out, lse, pattern: Pattern, scale: float, cu_seqlens
         _descriptor(q, ROWS.value), _descriptor(k, BLOCK_N.value), _descriptor(v, BLOCK_N.value),
         _descriptor(out, ROWS.value), None if cu_q is None else out, lse, sinks, *descales, cu_q, cu_k, q.shape[2],
         k.shape[2], Hq, Hq // k.shape[1], tiles, seqs, max(pattern.left, 0), max(pattern.right, 0), pattern.sink_tokens,
-        scale * LOG2E.value, descale_strides, (out.stride(1), out.stride(2)), (lse.stride(0), lse.stride(1)), HEAD_DIM=D,
+        scale * LOG2E.value, descale_strides, (out.stride(1), out.stride(2)), (lse.stride(0), lse.stride(1)),
+        HEAD_DIM=D,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, HAS_SINK_TOKENS=pattern.sink_tokens > 0, PERSISTENT=persistent,
         num_warps=4,
         maxnreg=168)
