@@ -187,6 +187,26 @@ def test_operator_opcheck_and_compile():
         assert torch.equal(torch.compile(step, fullgraph=True, backend="aot_eager")(*inputs), step(*inputs))
 
 
+def test_descales_reach_the_kernels_as_views():
+    """check() hands the kernels views of the descales as given (no copy: no kernel of its own per call), a
+    broadcast one with stride 0, and None where a descale is 1 (not given, or a 16-bit query's)."""
+    from gstar import fp8
+    (q8, k8, v8), kwargs, _, _ = _dense_case("cpu", "causal")
+    scalar = torch.tensor(0.5)
+    descales, out_dtype = fp8.check(q8, k8, v8, q_descale=kwargs["q_descale"], k_descale=kwargs["k_descale"],
+                                    v_descale=scalar, out_dtype=None, sinks=None, scale=1.0, batch=2, kv_heads=2,
+                                    backend="torch")
+    assert out_dtype == torch.bfloat16
+    assert descales[0].data_ptr() == kwargs["q_descale"].data_ptr()
+    assert descales[1].data_ptr() == kwargs["k_descale"].data_ptr()
+    assert descales[2].shape == (2, 2) and descales[2].stride() == (0, 0)
+    assert descales[2].data_ptr() == scalar.data_ptr()
+    descales, out_dtype = fp8.check(q8.float().bfloat16(), k8, v8, q_descale=None, k_descale=kwargs["k_descale"],
+                                    v_descale=None, out_dtype=None, sinks=None, scale=1.0, batch=2, kv_heads=2,
+                                    backend="torch")
+    assert descales[0] is None and descales[2] is None and out_dtype == torch.bfloat16
+
+
 def test_bad_input():
     inputs, kwargs, _, _ = _dense_case("cpu", "causal")
     q8, k8, v8 = inputs
