@@ -13,6 +13,7 @@ from tiers import grid
 
 import gstar
 from gstar.accuracy import relative_error
+from gstar.kernels import decode
 from gstar.kvcache import _pages
 from gstar.pattern import Pattern
 
@@ -118,6 +119,25 @@ def test_triton_kernel(layout, pattern, learned_sinks, nq, splits):
                                                           dtype=torch.float32, heads=(6, 2))
     out, lse = gstar.flash_attention_with_kvcache(q, k_cache, v_cache, return_lse=True, backend="triton",
                                                   num_splits=splits, **kwargs)
+    ref_out, ref_lse = oracle(q, keys, values, _pattern_of(kwargs), kwargs["sinks"])
+    assert relative_error(out, ref_out) < FLOAT32
+    assert relative_error(lse, ref_lse) < FLOAT32
+
+
+# one split of a 16-key-page cache: the sink-token block and the band's first block masked, the whole blocks in
+# the unmasked loop, then the masked last block
+LONG_SPLITS = {"whole-run": ((16 * 11 + 5, 16 * 6 + 3), dict(causal=True)),
+               "sinks-window-whole-run": ((16 * 13 + 7, 16 * 4 + 1), dict(causal=True, window=(150, 0), sink_tokens=3))}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tier: the interpreter (GPUs run test_gpu_*)")
+@pytest.mark.parametrize("lengths, pattern", LONG_SPLITS.values(), ids=list(LONG_SPLITS))
+def test_triton_kernel_whole_and_masked_loops(lengths, pattern):
+    """One split per sequence walking the masked, the whole and the masked loop in turn."""
+    q, k_cache, v_cache, kwargs, keys, values = make_case(block_size=16, nq=1, pattern=pattern, learned_sinks=True,
+                                                          append=False, dtype=torch.float32, lengths=lengths)
+    out, lse = gstar.flash_attention_with_kvcache(q, k_cache, v_cache, return_lse=True, backend="triton",
+                                                  num_splits=1, **kwargs)
     ref_out, ref_lse = oracle(q, keys, values, _pattern_of(kwargs), kwargs["sinks"])
     assert relative_error(out, ref_out) < FLOAT32
     assert relative_error(lse, ref_lse) < FLOAT32
@@ -316,3 +336,17 @@ def test_gpu_cuda_graph_replays_with_new_lengths():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, step())
+
+
+@pytest.mark.parametrize("paged, cache_dtype, nq, dim, capped", [
+    (True, torch.bfloat16, 1, 64, True), (True, torch.bfloat16, 2, 64, True),  # 8 or 16 stacked rows
+    (True, torch.bfloat16, 4, 64, False), (True, torch.bfloat16, 1, 128, False),  # 64 registers would spill
+    (False, torch.bfloat16, 1, 64, False), (True, torch.float8_e4m3fn, 1, 64, False)])
+def test_paged_register_cap_only_where_it_fits(monkeypatch, paged, cache_dtype, nq, dim, capped):
+    """The Hopper decode plan caps registers for a paged 16-bit cache with 16 rows of narrow heads and no other
+    (compiled for sm_90a, 64 registers spill at 32 rows or at head dim 128)."""
+    monkeypatch.setattr(decode, "capability_major", lambda device: 9)
+    plan = decode._decode_plan.__wrapped__(2, 16, 2, nq, dim, dim, paged, 64 if paged else 0, 4096,
+                                           Pattern.make(nq, 4096, causal=True), torch.device("cuda"), "tf32", 4,
+                                           cache_dtype == torch.float8_e4m3fn)
+    assert dict(plan.options).get("maxnreg") == (decode.PAGED_REGISTERS if capped else None)

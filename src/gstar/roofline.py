@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from .timing import gpu_median_ms
+
 SCHEMA = 1
 PRIMERS = ("vector_add", "matrix_add", "weighted_row_sum")
 _ROW_LENGTH = 8192  # columns of the matrices the 2-D primers stream: long rows, 16-byte aligned
@@ -76,9 +78,7 @@ def _driver_version() -> str | None:
 
 
 def _median_ms(fn) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+    return gpu_median_ms(fn, rep_ms=200)
 
 
 def _entry(shape, bytes_moved: int, ms: float) -> dict:

@@ -3,7 +3,7 @@
 - The oracle is :func:`gstar.reference.naive_attention`, run in pieces (batch elements, groups of kv
   heads and, for patterns with no key right of the diagonal, blocks of query rows) so that it fits in
   memory at the gpt-oss and long-context shapes; each piece is exact, so the result equals one big call.
-- Time: ``triton.testing.do_bench`` (median) on a GPU; on a CPU the median of several wall-clock runs after a
+- Time: :func:`gstar.timing.gpu_median_ms` (median, L2 flushed clean before each call) on a GPU; on a CPU the median of several wall-clock runs after a
   warm-up, contenders taking turns (:func:`race_ms`). CPU timings are indicative only.
 - Peak memory: the bytes allocated at the peak of one call beyond what was allocated before it, plus the
   bytes of the inputs the call reads (so "inputs + everything the call needs"). On a GPU this comes from
@@ -25,6 +25,7 @@ import torch
 from ..accuracy import Verdict, relative_error, verdict
 from ..fp8 import dequantize, quantize_fp8
 from ..reference import naive_attention
+from ..timing import gpu_median_ms
 from .cases import Case
 
 FLOAT32_BAR = 1e-4  # docs/design.md section 4: float32 inputs must reach this relative error
@@ -232,15 +233,14 @@ CPU_BUDGET_S = 1.0  # a CPU race stops after this many seconds once it has the f
 
 
 def race_ms(fns, device: torch.device) -> list[float]:
-    """Median milliseconds of each ``fn()`` in ``fns``: ``triton.testing.do_bench`` on a GPU.
+    """Median milliseconds of each ``fn()`` in ``fns``: :func:`gstar.timing.gpu_median_ms` on a GPU.
 
     On a CPU every function runs once to warm up (allocator, first-call dispatch), then the functions take
     turns, one run each per round, for ``CPU_RUNS[0]`` rounds and more while ``CPU_BUDGET_S`` lasts (at most
     ``CPU_RUNS[1]``): a load that comes and goes on a shared machine slows every contender alike.
     """
     if device.type == "cuda":
-        import triton.testing
-        return [float(triton.testing.do_bench(fn, return_mode="median")) for fn in fns]
+        return [gpu_median_ms(fn) for fn in fns]
     for fn in fns:
         fn()
     runs = [[] for _ in fns]

@@ -35,6 +35,7 @@ _ALL_ROWS = tl.constexpr(2**30)  # kv_range's tile height: the union of every qu
 MAX_TILE_ROWS = 128  # stacked rows (group x queries) a program holds; more take further row tiles
 MAX_SPLITS = 64
 SPLIT_KEYS = 2048  # keys one split walks at most (while MAX_SPLITS allows): 32 tiles of 64
+PAGED_REGISTERS = 64  # per thread: a paged 16-bit cache's kernel on Hopper, 16 rows of narrow heads
 
 
 @triton.jit
@@ -257,14 +258,20 @@ def _decode_plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: boo
     sink_end, band_start, _, _, band_end = kv_blocks(pattern, 0, nq, block_n)
     visible_blocks = sink_end + band_end - band_start + (pattern.left >= 0)
     splits = num_splits or default_splits(B * Hkv * row_tiles, visible_blocks, block_n, device)
-    stages = 3 if device.type == "cuda" and capability_major(device) >= 9 else 2  # Hopper: three tiles in flight
+    hopper = device.type == "cuda" and capability_major(device) >= 9
+    stages = 3 if hopper else 2  # Hopper: three tiles in flight
+    # a paged 16-bit cache, 16 rows of narrow heads: 64 registers (no spills) fit eight programs an SM where the
+    # compiler's 94 fit five, more block-table lookups in flight (benchmarks/NOTES.md, 'Decoding: registers of the
+    # paged kernel')
+    small = hopper and paged and not fp8 and block_r <= 16 and width <= 128
+    registers = {"maxnreg": PAGED_REGISTERS} if small else {}
     return _DecodePlan(
         (splits, Hkv * row_tiles, B), splits,
         constexprs(HEAD_DIM=D, VALUE_DIM=Dv, BLOCK_R=block_r, BLOCK_N=block_n, PAGED=paged, SPLIT=splits > 1,
                    HAS_LEFT=pattern.left >= 0, HAS_RIGHT=pattern.right >= 0,
                    HAS_SINK_TOKENS=pattern.left >= 0 and pattern.sink_tokens > 0, PRECISION=precision,
                    PTX_WIDEN=fp8 and device.type == "cuda" and torch.version.hip is None,
-                   num_warps=4, num_stages=stages))
+                   num_warps=4, num_stages=stages, **registers))
 
 
 def decode_forward(q, cache, cache_seqlens, added: int, sinks, pattern: Pattern, scale: float,
