@@ -124,17 +124,17 @@ def test_triton_kernel(layout, pattern, learned_sinks, nq, splits):
     assert relative_error(lse, ref_lse) < FLOAT32
 
 
-# one split of a 16-key-page cache: the sink-token block and the band's first block masked, the whole blocks in
-# the unmasked loop, then the masked last block
-LONG_SPLITS = {"whole-run": ((16 * 11 + 5, 16 * 6 + 3), dict(causal=True)),
-               "sinks-window-whole-run": ((16 * 13 + 7, 16 * 4 + 1), dict(causal=True, window=(150, 0), sink_tokens=3))}
+# one split of a contiguous cache (tiles of 64 keys here): masked blocks (the sink-token block, the band's first
+# block, the last block) and whole blocks between, or whole blocks only (128 keys), or one masked block only (37)
+LONG_SPLITS = {"causal": ((64 * 3 + 5, 128, 37), dict(causal=True)),
+               "sinks-window": ((64 * 5 + 7, 128, 37), dict(causal=True, window=(150, 0), sink_tokens=3))}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tier: the interpreter (GPUs run test_gpu_*)")
 @pytest.mark.parametrize("lengths, pattern", LONG_SPLITS.values(), ids=list(LONG_SPLITS))
 def test_triton_kernel_whole_and_masked_loops(lengths, pattern):
-    """One split per sequence walking the masked, the whole and the masked loop in turn."""
-    q, k_cache, v_cache, kwargs, keys, values = make_case(block_size=16, nq=1, pattern=pattern, learned_sinks=True,
+    """One split per sequence walking the masked, the whole and the masked loop, or only some of them."""
+    q, k_cache, v_cache, kwargs, keys, values = make_case(block_size=None, nq=1, pattern=pattern, learned_sinks=True,
                                                           append=False, dtype=torch.float32, lengths=lengths)
     out, lse = gstar.flash_attention_with_kvcache(q, k_cache, v_cache, return_lse=True, backend="triton",
                                                   num_splits=1, **kwargs)

@@ -6,9 +6,10 @@ K/V block is read once for the group. It reads its sequence's length on the devi
 with :func:`gstar.kernels.ranges.kv_range` (the sink-token blocks, then the window's band), and walks its
 share of them: split ``s`` takes the ``s``-th of ``splits`` equal runs. A paged cache is read block by block
 through the block table (``BLOCK_N`` divides the block size, so a tile lies in one page). The softmax is the
-forward kernel's (:func:`gstar.kernels.forward.softmax_step`): masked on the blocks the rule cuts (the sink-token
-blocks, the band's ends, the last block of the sequence), unmasked on the whole blocks between, whose loads carry
-no masks either. An FP8 cache runs ``P V`` in float16 (:func:`_widen_values`).
+forward kernel's (:func:`gstar.kernels.forward.softmax_step`). From a contiguous cache it is masked on the blocks
+the rule cuts (the sink-token blocks, the band's ends, the last block of the sequence) and unmasked on the whole
+blocks between, whose loads carry no masks either; a paged cache's blocks all take the masked loop. An FP8 cache
+runs ``P V`` in float16 (:func:`_widen_values`).
 
 With one split a program finishes its rows, the learned sink included. With several, each stores its
 partial result (normalised output and LSE, float32) and ``_combine`` merges a row's partials by their LSEs,
@@ -156,15 +157,24 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, QDescale, KDescale, V
     lo, hi = split * per, tl.minimum(split * per + per, count)  # this split's share
     blocks = (K, V, BlockTable, b, hkv, sink_end, band_start, stride_k, stride_v, stride_bt, page_size)
     rule = (nq, nk, left, right, sink_tokens)
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q, rows, lo, tl.minimum(hi, whole), blocks, rule, qk_scale,
-                            HEAD_DIM, VALUE_DIM, BLOCK_N, PAGED, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, PRECISION,
-                            PTX_WIDEN, True)
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q, rows, tl.maximum(lo, whole), tl.minimum(hi, whole_end), blocks,
-                            rule, qk_scale, HEAD_DIM, VALUE_DIM, BLOCK_N, PAGED, HAS_LEFT, HAS_RIGHT,
-                            HAS_SINK_TOKENS, PRECISION, PTX_WIDEN, False)
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q, rows, tl.maximum(lo, whole_end), hi, blocks, rule, qk_scale,
-                            HEAD_DIM, VALUE_DIM, BLOCK_N, PAGED, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, PRECISION,
-                            PTX_WIDEN, True)
+    # a paged cache's kernel waits on its block-table lookups, and more loops cost it registers and pipeline fills:
+    # one masked loop (benchmarks/NOTES.md, 'Decoding: loops and registers of the paged kernel')
+    if PAGED:
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, rows, lo, hi, blocks, rule, qk_scale, HEAD_DIM, VALUE_DIM,
+                                BLOCK_N, PAGED, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, PRECISION, PTX_WIDEN, True)
+    else:  # masked, whole and masked blocks, each loop entered only with blocks to walk
+        if lo < tl.minimum(hi, whole):
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, rows, lo, tl.minimum(hi, whole), blocks, rule, qk_scale,
+                                    HEAD_DIM, VALUE_DIM, BLOCK_N, PAGED, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
+                                    PRECISION, PTX_WIDEN, True)
+        if tl.maximum(lo, whole) < tl.minimum(hi, whole_end):
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, rows, tl.maximum(lo, whole), tl.minimum(hi, whole_end),
+                                    blocks, rule, qk_scale, HEAD_DIM, VALUE_DIM, BLOCK_N, PAGED, HAS_LEFT,
+                                    HAS_RIGHT, HAS_SINK_TOKENS, PRECISION, PTX_WIDEN, False)
+        if tl.maximum(lo, whole_end) < hi:
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, rows, tl.maximum(lo, whole_end), hi, blocks, rule, qk_scale,
+                                    HEAD_DIM, VALUE_DIM, BLOCK_N, PAGED, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
+                                    PRECISION, PTX_WIDEN, True)
 
     if VDescale is not None:  # v's descale: one multiply of the finished rows (a split's partial alike)
         acc = acc * v_descale
@@ -261,8 +271,8 @@ def _decode_plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: boo
     hopper = device.type == "cuda" and capability_major(device) >= 9
     stages = 3 if hopper else 2  # Hopper: three tiles in flight
     # a paged 16-bit cache, 16 rows of narrow heads: 64 registers (no spills) fit eight programs an SM where the
-    # compiler's 94 fit five, more block-table lookups in flight (benchmarks/NOTES.md, 'Decoding: registers of the
-    # paged kernel')
+    # compiler's 80 fit six, more block-table lookups in flight (benchmarks/NOTES.md, 'Decoding: loops and
+    # registers of the paged kernel')
     small = hopper and paged and not fp8 and block_r <= 16 and width <= 128
     registers = {"maxnreg": PAGED_REGISTERS} if small else {}
     return _DecodePlan(
