@@ -3,8 +3,9 @@
 - The oracle is :func:`gstar.reference.naive_attention`, run in pieces (batch elements, groups of kv
   heads and, for patterns with no key right of the diagonal, blocks of query rows) so that it fits in
   memory at the gpt-oss and long-context shapes; each piece is exact, so the result equals one big call.
-- Time: :func:`gstar.timing.gpu_median_ms` (median, L2 flushed clean before each call) on a GPU; on a CPU the median of several wall-clock runs after a
-  warm-up, contenders taking turns (:func:`race_ms`). CPU timings are indicative only.
+- Time: :func:`gstar.timing.gpu_median_ms` (median, the L2 flushed clean before each call) on a GPU; on a CPU
+  the median of several wall-clock runs after a warm-up, contenders taking turns (:func:`race_ms`). CPU timings
+  are indicative only.
 - Peak memory: the bytes allocated at the peak of one call beyond what was allocated before it, plus the
   bytes of the inputs the call reads (so "inputs + everything the call needs"). On a GPU this comes from
   ``torch.cuda.max_memory_allocated``; on a CPU from the PyTorch profiler's allocation events (it sees
