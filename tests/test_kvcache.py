@@ -346,7 +346,8 @@ def test_paged_register_cap_only_where_it_fits(monkeypatch, paged, cache_dtype, 
     """The Hopper decode plan caps registers for a paged 16-bit cache with 16 rows of narrow heads and no other
     (compiled for sm_90a, 64 registers spill at 32 rows or at head dim 128)."""
     monkeypatch.setattr(decode, "capability_major", lambda device: 9)
-    plan = decode._decode_plan.__wrapped__(2, 16, 2, nq, dim, dim, paged, 64 if paged else 0, 4096,
-                                           Pattern.make(nq, 4096, causal=True), torch.device("cuda"), "tf32", 4,
-                                           cache_dtype == torch.float8_e4m3fn)
+    plan = decode._decode_plan.__wrapped__(
+        B=2, Hq=16, Hkv=2, nq=nq, D=dim, Dv=dim, paged=paged, block_size=64 if paged else 0, capacity=4096,
+        pattern=Pattern.make(nq, 4096, causal=True), device=torch.device("cuda"), precision="tf32", num_splits=4,
+        fp8=cache_dtype == torch.float8_e4m3fn)
     assert dict(plan.options).get("maxnreg") == (decode.PAGED_REGISTERS if capped else None)

@@ -150,9 +150,7 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, QDescale, KDescale, V
 
     sink_end, band_start, full_start, full_end, band_end = kv_range(0, nq, nk, left, right, sink_tokens, _ALL_ROWS,
                                                                     BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    # the i-th visible block: [0, sink_end), then [band_start, band_end); the whole ones at i in [whole, whole_end)
-    count = sink_end + band_end - band_start
-    whole, whole_end = sink_end + full_start - band_start, sink_end + full_end - band_start
+    count = sink_end + band_end - band_start  # the i-th visible block: [0, sink_end), then [band_start, band_end)
     per = tl.cdiv(count, splits)
     lo, hi = split * per, tl.minimum(split * per + per, count)  # this split's share
     blocks = (K, V, BlockTable, b, hkv, sink_end, band_start, stride_k, stride_v, stride_bt, page_size)
@@ -163,6 +161,7 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, QDescale, KDescale, V
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, rows, lo, hi, blocks, rule, qk_scale, HEAD_DIM, VALUE_DIM,
                                 BLOCK_N, PAGED, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, PRECISION, PTX_WIDEN, True)
     else:  # masked, whole and masked blocks, each loop entered only with blocks to walk
+        whole, whole_end = sink_end + full_start - band_start, sink_end + full_end - band_start  # the whole blocks' i
         if lo < tl.minimum(hi, whole):
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, rows, lo, tl.minimum(hi, whole), blocks, rule, qk_scale,
                                     HEAD_DIM, VALUE_DIM, BLOCK_N, PAGED, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
@@ -268,13 +267,13 @@ def _decode_plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: boo
     sink_end, band_start, _, _, band_end = kv_blocks(pattern, 0, nq, block_n)
     visible_blocks = sink_end + band_end - band_start + (pattern.left >= 0)
     splits = num_splits or default_splits(B * Hkv * row_tiles, visible_blocks, block_n, device)
-    hopper = device.type == "cuda" and capability_major(device) >= 9
-    stages = 3 if hopper else 2  # Hopper: three tiles in flight
-    # a paged 16-bit cache, 16 rows of narrow heads: 64 registers (no spills) fit eight programs an SM where the
-    # compiler's 80 fit six, more block-table lookups in flight (benchmarks/NOTES.md, 'Decoding: loops and
-    # registers of the paged kernel')
-    small = hopper and paged and not fp8 and block_r <= 16 and width <= 128
-    registers = {"maxnreg": PAGED_REGISTERS} if small else {}
+    major = capability_major(device) if device.type == "cuda" else 0
+    stages = 3 if major >= 9 else 2  # Hopper: three tiles in flight
+    # a paged 16-bit cache, 16 rows of narrow heads, on Hopper (where measured): 64 registers (no spills) fit
+    # eight programs an SM where the compiler's 80 fit six, more block-table lookups in flight
+    # (benchmarks/NOTES.md, 'Decoding: loops and registers of the paged kernel')
+    capped = major == 9 and paged and not fp8 and block_r <= 16 and width <= 128
+    registers = {"maxnreg": PAGED_REGISTERS} if capped else {}
     return _DecodePlan(
         (splits, Hkv * row_tiles, B), splits,
         constexprs(HEAD_DIM=D, VALUE_DIM=Dv, BLOCK_R=block_r, BLOCK_N=block_n, PAGED=paged, SPLIT=splits > 1,

@@ -445,8 +445,7 @@ def _consumer(o_desc, Out, Lse, Sinks, QDescale, KDescale, VDescale, shared, wal
 # portable kernel): no recompilation for new lengths
 @gluon.jit(do_not_specialize=["Nq", "Nk", "Hq", "n_tiles", "seqs", "left", "right", "sink_tokens"])
 def _forward_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sinks, QDescale, KDescale, VDescale, CuQ, CuK, Nq, Nk,
-                    Hq, group,
-                    n_tiles, seqs, left, right, sink_tokens, qk_scale, stride_ds, stride_o, stride_lse,
+                    Hq, group, n_tiles, seqs, left, right, sink_tokens, qk_scale, stride_ds, stride_o, stride_lse,
                     HEAD_DIM: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                     HAS_SINK_TOKENS: gl.constexpr, PERSISTENT: gl.constexpr):
     """Grid ``(P,)``, each program walking the work items ``(tile, head, sequence)`` of :func:`_work_item`
@@ -577,7 +576,5 @@ def forward(q, k, v, sinks, out, lse, pattern: Pattern, scale: float, cu_seqlens
         _descriptor(out, ROWS.value), None if cu_q is None else out, lse, sinks, *descales, cu_q, cu_k, q.shape[2],
         k.shape[2], Hq, Hq // k.shape[1], tiles, seqs, max(pattern.left, 0), max(pattern.right, 0), pattern.sink_tokens,
         scale * LOG2E.value, descale_strides, (out.stride(1), out.stride(2)), (lse.stride(0), lse.stride(1)),
-        HEAD_DIM=D,
-        HAS_LEFT=has_left, HAS_RIGHT=has_right, HAS_SINK_TOKENS=pattern.sink_tokens > 0, PERSISTENT=persistent,
-        num_warps=4,
-        maxnreg=168)
+        HEAD_DIM=D, HAS_LEFT=has_left, HAS_RIGHT=has_right, HAS_SINK_TOKENS=pattern.sink_tokens > 0,
+        PERSISTENT=persistent, num_warps=4, maxnreg=168)
