@@ -314,6 +314,34 @@ def test_gpu_decode_fp8_cache(q_fp8, splits):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("magnitude", [1e-30, 1.0, 3e5, 1e30])
+def test_gpu_decode_bf16_queries_any_magnitude(magnitude):
+    """bfloat16 queries against an FP8 cache: the kernel runs Q K^T in float16 (largest 65,504, smallest normal
+    6.1e-5), the queries scaled by a power of two. Queries far outside that range, the heads of each group 10^4
+    apart, with ``scale`` set so that the scores stay of order one: within the bar of the float64 oracle."""
+    g = torch.Generator().manual_seed(5)
+    B, Hq, Hkv, D, capacity = 2, 16, 2, 64, 333
+    lengths = torch.tensor([200, 333], dtype=torch.int32, device="cuda")
+    k8, kd = _quantized((B, Hkv, capacity, D), g, "cuda")
+    v8, vd = _quantized((B, Hkv, capacity, D), g, "cuda")
+    heads = 10.0 ** (-4.0 * (torch.arange(Hq) % 2))                                       # (Hq,) 1 or 1e-4
+    q = (torch.randn(B, Hq, 1, D, generator=g, dtype=torch.float64) * heads[:, None, None] * magnitude)
+    q = q.bfloat16().cuda()
+    scale = D ** -0.5 / magnitude
+    with torch.no_grad():
+        out = gstar.flash_attention_with_kvcache(q, k8, v8, cache_seqlens=lengths, scale=scale, k_descale=kd,
+                                                 v_descale=vd)
+    for b in range(B):
+        n = int(lengths[b])
+        deq = (q[b:b + 1].double(), _dequantized(k8[b:b + 1, :, :n], kd[b:b + 1]),
+               _dequantized(v8[b:b + 1, :, :n], vd[b:b + 1]))
+        ref, _, pt, _ = _reference(*deq, None, dict(causal=True, scale=scale), torch.bfloat16)
+        check = verdict(f"sequence {b}", out[b:b + 1], ref, pt)
+        assert check.ok, check
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_compiled_fp8_matches_eager():
     """torch.compile(fullgraph=True) traces the FP8 call as the gstar::attention_forward_fp8 operator."""
     inputs, kwargs, _, _ = _dense_case("cuda", "window-sinks")
