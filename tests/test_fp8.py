@@ -4,17 +4,22 @@ The bar (docs/design.md section 4, for FP8): gstar's error at most 2x that of Py
 attention from the FP8-rounded inputs in bfloat16 arithmetic. On CPU the PyTorch path (dequantised inputs) runs
 dense, packed and from a KV cache, with its descales expanded here independently of gstar's helpers; on GPUs
 (GPU tier) the Triton kernels run the grid of patterns, dense and packed, odd lengths, and the decode kernel
-an FP8 cache under FP8 and bfloat16 queries, contiguous and paged. Also quantize_fp8 and the errors for bad
-input.
+an FP8 cache under FP8 and bfloat16 queries, contiguous and paged. Also quantize_fp8, the errors for bad input
+and the decode kernel's float16 form of bfloat16 queries (on CPU under the Triton interpreter).
 """
+
+import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from tiers import grid
 
 import gstar
 from gstar.accuracy import verdict
 from gstar.fp8 import FP8, FP8_MAX
+from gstar.kernels.decode import _half_queries
 
 PATTERNS = {  # id: (keywords, learned sinks)
     "full": (dict(causal=False), False),
@@ -257,6 +262,48 @@ def test_widen_is_exact(layout, device):
     assert out.dtype == torch.bfloat16 and torch.equal(out, x.to(torch.bfloat16))
     if layout == "heads-first":
         assert out.stride() == x.stride()
+
+
+@triton.jit
+def _half_queries_probe(Q, Out, Factor, R: tl.constexpr, D: tl.constexpr):
+    """Out = the float16 queries of ``decode._half_queries`` on the (R, D) bfloat16 tile Q, Factor its factor
+    (applied to a score factor of 1)."""
+    offs = tl.arange(0, R)[:, None] * D + tl.arange(0, D)[None, :]
+    q, factor = _half_queries(tl.load(Q + offs), 1.0)
+    tl.store(Out + offs, q)
+    tl.store(Factor, factor)
+
+
+@pytest.mark.parametrize("magnitude", [1e-36, 1e-30, 1e-5, 1.0, 3e5, 1e35, 5e37])
+def test_half_queries_scale_exactly(magnitude, device):
+    """bfloat16 queries against an FP8 cache run Q K^T in float16 (largest 65,504, smallest normal 2^-14),
+    scaled by a power of two 2^e whose inverse joins the score factor: the factor is exactly 2^-e, the scaled
+    tile's largest lands in [2^14, 2^15] (e clamped to 126 only for tiles below 2^-111), every component that
+    scales into float16's normal range is kept exactly and the rest to within half its smallest step. A tile of
+    1e35 holds values that a plain float16 conversion, or a clamp at 100, would make infinite."""
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(16, 64, generator=g, dtype=torch.float64) * magnitude
+    q[1] *= 1e-4  # a head of the group far below the others
+    q[2, :8] = 0.0
+    q = q.bfloat16().to(device)
+    out = torch.empty(16, 64, dtype=torch.float16, device=device)
+    factor = torch.empty(1, dtype=torch.float32, device=device)
+    _half_queries_probe[(1,)](q, out, factor, R=16, D=64)
+    f = float(factor)
+    assert math.frexp(f)[0] == 0.5  # a power of two
+    want = q.double().cpu() / f  # q * 2^e, exact in float64
+    got = out.double().cpu()
+    amax = float(q.double().abs().max())
+    if amax >= 2.0 ** -111:
+        assert 2.0 ** 14 <= amax / f <= 2.0 ** 15
+    else:
+        assert f == 2.0 ** -126
+    # bfloat16 subnormals (below 2^-126) left out: the Triton interpreter does not convert them
+    given = q.double().cpu().abs() >= 2.0 ** -126
+    normal = given & (want.abs() >= 2.0 ** -14)
+    assert normal.sum() > 16 * 64 // 2
+    assert torch.equal(got[normal], want[normal])
+    assert (got - want)[given].abs().max() <= 2.0 ** -25
 
 
 # --------------------------------------------------------------------------------------------- GPU tier
