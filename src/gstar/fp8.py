@@ -5,11 +5,12 @@ been dequantised. Descales follow FlashAttention-3: float32, one per (sequence, 
 shape that broadcasts to it (a scalar for per-tensor scaling); the query heads of a GQA group share their kv
 head's ``q_descale``. :func:`quantize_fp8` makes them.
 
-On CUDA (compute capability 8.9 and newer) ``Q K^T`` runs on the FP8 tensor cores and the descales fold into the
-softmax's score factor and the finished output; ``P V`` runs in bfloat16 (the forward's V widened in one
-streaming pass before the launch, a cache's in registers by the decode kernel), because P quantised to FP8's
-3 bits of mantissa misses the accuracy bar (docs/design.md section 4) that bfloat16's 8 keep. The PyTorch path
-(CPU, ``backend="torch"``) runs on the dequantised inputs in the output dtype.
+On CUDA (compute capability 8.9 and newer) the forward kernels run ``Q K^T`` on the FP8 tensor cores and the
+descales fold into the softmax's score factor and the finished output; ``P V`` runs in bfloat16 (V widened in one
+streaming pass before the launch), because P quantised to FP8's 3 bits of mantissa misses the accuracy bar
+(docs/design.md section 4) that bfloat16's 8 keep. The decode kernel widens a cache's keys and values to float16
+in registers and runs both products in float16 (bfloat16 queries scaled by a power of two into its range). The
+PyTorch path (CPU, ``backend="torch"``) runs on the dequantised inputs in the output dtype.
 """
 
 from __future__ import annotations
