@@ -82,6 +82,27 @@ def test_hopper_backward_is_warp_specialised(case, flags):
     assert loops and all(int(re.search(r"(\d+) HGMMA", l).group(1)) > 0 for l in loops), loops
 
 
+SERVING_PAGED = "N75..32348 Nq1 H64/8 D64 causal +sinks bf16 paged"  # the paged serving step's label
+
+
+@pytest.mark.parametrize("case,flags", [("B1 N131072", ()), ("B1 N131072", ("--fp8",)),
+                                        ("B1 N131072", ("--fp8-cache",)), (SERVING_PAGED, ()),
+                                        (SERVING_PAGED, ("--fp8-cache",))])
+def test_decode_kernels_compile_without_spills(case, flags, tmp_path):
+    """gstar.kernels.decode compiles for sm_90a as an H100 / H200 launches it (contiguous and paged caches, 16-bit
+    and FP8, the paged 16-bit one under its register cap) without spills, its products on the tensor cores. An
+    FP8 cache runs both products in float16 under any queries: bfloat16 queries leave no bfloat16 product and no
+    two-step widening of the keys (F2F, e4m3 -> float16 -> bfloat16)."""
+    result = _run("--decode", "--case", case, *flags, "--dump", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    line = next(l for l in result.stdout.splitlines() if l.startswith("_decode:"))
+    assert re.search(r"spills 0 / 0 bytes", line), line
+    sass = (tmp_path / "_decode.sass").read_text()
+    assert "HMMA.16816.F32" in sass
+    if flags:
+        assert "HMMA.16816.F32.BF16" not in sass and not re.search(r"\sF2F\.", sass)
+
+
 def test_hopper_refuses_a_case_it_does_not_serve():
     result = _run("--case", "D64 window", "--hopper")
     assert result.returncode != 0 and "does not serve" in result.stderr

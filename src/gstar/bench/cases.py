@@ -314,10 +314,10 @@ def suite(name: str) -> list[Case]:
     return SUITES[name]()
 
 
-def labelled(text: str) -> Case:
-    """The first case of ``suite("all")`` whose label contains ``text`` (the kernel scripts' ``--case``); a
+def labelled(text: str, name: str = "all") -> Case:
+    """The first case of ``suite(name)`` whose label contains ``text`` (the kernel scripts' ``--case``); a
     ValueError naming every label when none does."""
-    cases = suite("all")
+    cases = suite(name)
     found = next((c for c in cases if text in c.label), None)
     if found is None:
         raise ValueError(f"no case label contains {text!r}; labels: " + "; ".join(c.label for c in cases))
