@@ -8,9 +8,10 @@ head's ``q_descale``. :func:`quantize_fp8` makes them.
 On CUDA (compute capability 8.9 and newer) the forward kernels run ``Q K^T`` on the FP8 tensor cores and the
 descales fold into the softmax's score factor and the finished output; ``P V`` runs in bfloat16 (V widened in one
 streaming pass before the launch), because P quantised to FP8's 3 bits of mantissa misses the accuracy bar
-(docs/design.md section 4) that bfloat16's 8 keep. The decode kernel widens a cache's keys and values to float16
-in registers and runs both products in float16 (bfloat16 queries scaled by a power of two into its range). The
-PyTorch path (CPU, ``backend="torch"``) runs on the dequantised inputs in the output dtype.
+(docs/design.md section 4) that bfloat16's 8 keep. The decode kernel widens a cache's values to float16 in
+registers and runs ``P V`` in float16, and under 16-bit queries its keys and ``Q K^T`` too (bfloat16 queries
+scaled by a power of two into float16's range). The PyTorch path (CPU, ``backend="torch"``) runs on the
+dequantised inputs in the output dtype.
 """
 
 from __future__ import annotations

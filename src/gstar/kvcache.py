@@ -224,10 +224,10 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_s
         q_descale, k_descale, v_descale, out_dtype: an FP8 cache (``torch.float8_e4m3fn``, half the bytes a
             step reads), as in :func:`gstar.flash_attention`: descales ``(B, Hkv)`` or broadcastable, fixed
             per sequence (appended keys and values are quantised with them). q may be FP8 too (with
-            ``q_descale``) or float16 / bfloat16: the kernel widens the cache's keys and values to float16 in
-            registers and runs both products in float16 (bfloat16 queries scaled by a power of two into
-            float16's range, their significant bits kept). ``out_dtype`` defaults to q's dtype (bfloat16 for
-            FP8 queries).
+            ``q_descale``) or float16 / bfloat16. The kernel widens the values to float16 in registers (``P V``
+            runs in float16) and, under 16-bit queries, the keys too (bfloat16 queries scaled by a power of two
+            into float16's range, their significant bits kept). ``out_dtype`` defaults to q's dtype (bfloat16
+            for FP8 queries).
 
     Returns ``out`` ``(B, Hq, Nq, Dv)`` in q's dtype (or out_dtype), or ``(out, lse)``.
     """
