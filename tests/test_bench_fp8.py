@@ -1,6 +1,8 @@
-"""``gstar bench --suite fp8`` and ``--dtype fp8``: FP8 rows beside bfloat16 ones, gstar checked against the
-oracle on the dequantised inputs, every other implementation n/a, forward only."""
+"""``gstar bench --suite fp8`` and ``--dtype fp8``: FP8 rows beside bfloat16 ones (decode steps also against an FP8
+cache under bfloat16 queries), gstar checked against the oracle on the dequantised inputs, every other
+implementation n/a, forward only."""
 
+import dataclasses
 import json
 
 import pytest
@@ -13,13 +15,30 @@ from gstar.cli.main import main
 
 def test_fp8_suite_pairs_each_case_with_bf16():
     fp8 = suite("fp8")
-    assert [c.dtype for c in fp8] == ["bfloat16", "fp8"] * (len(fp8) // 2)
+    layers, steps = [c for c in fp8 if not c.decode], [c for c in fp8 if c.decode]
+    assert [c.dtype for c in layers] == ["bfloat16", "fp8"] * (len(layers) // 2)
+    assert [c.dtype for c in steps] == ["bfloat16", "fp8", "fp8-cache"] * (len(steps) // 3)
     shapes = {(c.batch, c.heads, c.kv_heads, c.seqlen, c.head_dim, c.queries) for c in fp8}
     assert shapes == {(4, 16, 16, 8192, 128, 0), (2, 64, 8, 4096, 64, 0), (1, 64, 8, 131072, 64, 1),
                       (8, 64, 8, 32768, 64, 1)}
-    assert all(c.fp8 for c in fp8[1::2]) and not any(c.fp8 for c in fp8[::2])
-    assert all(for_cpu(c).fp8 == c.fp8 for c in fp8)  # a CPU keeps FP8 (the PyTorch path on dequantised inputs)
-    assert fp8[1].label.endswith("fp8")
+    assert all(c.fp8 == (c.dtype != "bfloat16") for c in fp8)
+    assert all(for_cpu(c).dtype == c.dtype for c in fp8 if c.fp8)  # a CPU keeps FP8 (the PyTorch path)
+    assert fp8[1].label.endswith("fp8") and steps[2].label.endswith("fp8 cache")
+
+
+def test_fp8_cache_case():
+    """An FP8 cache under bfloat16 queries: decode cases only; q bfloat16 without a descale, k and v FP8; its
+    bytes count the queries at two bytes and the cache at one."""
+    with pytest.raises(ValueError, match="is for decode cases"):
+        Case("fp8", 1, 4, 2, 64, 16, dtype="fp8-cache")
+    case = Case("fp8", 2, 4, 2, 40, 16, causal=True, queries=3, dtype="fp8-cache")
+    inputs = measure.make_inputs(case, torch.device("cpu"))
+    assert inputs["q"].dtype == torch.bfloat16 and inputs["q_descale"] is None
+    assert inputs["k"].dtype == inputs["v"].dtype == torch.float8_e4m3fn
+    deq = measure.dequantized(case, inputs)
+    torch.testing.assert_close(deq["q"], inputs["q"].float(), rtol=0, atol=0)
+    fp8 = dataclasses.replace(case, dtype="fp8")
+    assert case.bytes_moved("fwd") - fp8.bytes_moved("fwd") == case.tokens * case.heads * case.head_dim
 
 
 def test_fp8_inputs_dequantise_to_their_values():
@@ -36,7 +55,8 @@ def test_fp8_inputs_dequantise_to_their_values():
 def test_fp8_suite_runs(monkeypatch, tmp_path, capsys):
     small = [Case("fp8", 1, 64, 8, 512, 64, causal=True, window=w, sinks=True, dtype=d)
              for w in ((-1, -1), (127, 0)) for d in ("bfloat16", "fp8")]
-    small += [Case("fp8", 2, 64, 8, 1024, 64, causal=True, sinks=True, queries=1, dtype="fp8")]
+    small += [Case("fp8", 2, 64, 8, 1024, 64, causal=True, sinks=True, queries=1, dtype=d)
+              for d in ("fp8", "fp8-cache")]
     monkeypatch.setitem(cases.SUITES, "fp8", lambda: small)
     monkeypatch.setattr(measure, "CPU_BUDGET_S", 0.0)
     path = tmp_path / "fp8.json"
@@ -47,6 +67,9 @@ def test_fp8_suite_runs(monkeypatch, tmp_path, capsys):
         [("gstar", "ok"), ("gstar", "ok"), ("gstar", "ok"), ("gstar-prefill", "ok")]
     assert all(r["checks"] and all(c["ok"] for c in r["checks"]) for r in fp8 if r["status"] == "ok")
     assert {r["reason"] for r in fp8 if r["impl"] == "eager"} == {"no FP8 inputs"}
+    cache = [r for r in rows if r["case"]["dtype"] == "fp8-cache"]  # bfloat16 queries: the KV-cache call only
+    assert [(r["impl"], r["status"]) for r in cache] == [("gstar", "ok"), ("gstar-prefill", "n/a"), ("eager", "n/a")]
+    assert cache[0]["checks"] and all(c["ok"] for c in cache[0]["checks"])
     assert main(["bench", "--suite", "fp8", "--mode", "fwd+bwd"]) == 2
     assert "forward only" in capsys.readouterr().err
     assert main(["bench", "--seqlen", "40", "--heads", "2", "--dtype", "fp8", "--mode", "fwd+bwd", "--impls",

@@ -31,6 +31,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.f
           "float32": torch.float32, "fp32": torch.float32, "float8_e4m3fn": torch.float8_e4m3fn,
           "fp8": torch.float8_e4m3fn}
 _SHORT_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8"}
+FP8_CACHE = "fp8-cache"  # a decode case's dtype: an FP8 cache under bfloat16 queries (the common serving case)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,9 @@ class Case:
                              f"{self.batch}, seqlen {self.seqlen} for lengths {self.lengths}")
         if self.page_size and not self.decode:
             raise ValueError("only a decode case (queries > 0) reads a paged cache")
+        if self.fp8_cache and not self.decode:
+            raise ValueError(f"dtype {FP8_CACHE!r} (an FP8 cache under bfloat16 queries) is for decode cases "
+                             f"(queries > 0)")
 
     @property
     def decode(self) -> bool:
@@ -112,12 +116,19 @@ class Case:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        """The dtype of k and v (and of q, except under an FP8 cache's bfloat16 queries)."""
+        return torch.float8_e4m3fn if self.fp8_cache else DTYPES[self.dtype]
 
     @property
     def fp8(self) -> bool:
-        """FP8 inputs (forward only): q, k, v quantised per head, their descales beside them (make_inputs)."""
+        """FP8 inputs (forward only): q, k, v quantised per head, their descales beside them (make_inputs); with
+        :attr:`fp8_cache` only k and v."""
         return self.torch_dtype == torch.float8_e4m3fn
+
+    @property
+    def fp8_cache(self) -> bool:
+        """A decode case's FP8 cache under bfloat16 queries (``dtype="fp8-cache"``)."""
+        return self.dtype == FP8_CACHE
 
     def pattern_of(self, n: int) -> Pattern:
         """The case's pattern on ``n`` keys: as many queries (self-attention) or the decode step's ``Nq``."""
@@ -147,7 +158,7 @@ class Case:
         """Everything but batch and length: the line a case belongs to in a plot against sequence length."""
         heads = f"H{self.heads}" if self.kv_heads == self.heads else f"H{self.heads}/{self.kv_heads}"
         dims = f"D{self.head_dim}" if self.dv == self.head_dim else f"D{self.head_dim}/{self.dv}"
-        words = f"{heads} {dims} {self.mask_label} {_SHORT_DTYPE[self.torch_dtype]}"
+        words = f"{heads} {dims} {self.mask_label} {'fp8 cache' if self.fp8_cache else _SHORT_DTYPE[self.torch_dtype]}"
         if self.decode:
             words = f"Nq{self.queries} " + words + (f" paged {self.page_size}" if self.paged else "")
         return words
@@ -188,7 +199,8 @@ class Case:
         k_elems, v_elems = (self.visible_keys() * self.kv_heads * d for d in (self.head_dim, self.dv))
         rows = self.tokens * self.heads
         o_size = 2 if self.fp8 else esize  # FP8 inputs write a bfloat16 output
-        fwd = esize * (q_elems + k_elems + v_elems) + o_size * o_elems + 4 * rows  # q, k, v in; out, lse out
+        q_size = 2 if self.fp8_cache else esize  # bfloat16 queries against an FP8 cache
+        fwd = q_size * q_elems + esize * (k_elems + v_elems) + o_size * o_elems + 4 * rows  # q, k, v in; out, lse
         bwd = esize * (2 * (q_elems + k_elems + v_elems) + 2 * o_elems) + 8 * rows  # q k v out dout lse in; dq dk dv
         return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
 
@@ -273,10 +285,12 @@ def _decode_suite() -> list[Case]:
 
 
 def _fp8_suite() -> list[Case]:
-    """Each FP8 case beside the same case in bfloat16: D 128 causal 8k, the GPT-OSS layers, long decode steps."""
+    """Each FP8 case beside the same case in bfloat16: D 128 causal 8k, the GPT-OSS layers, long decode steps (these
+    also against an FP8 cache under bfloat16 queries)."""
     cases = [Case("fp8", 4, 16, 16, 8192, 128, causal=True), *_gpt_oss("fp8", 2, 4096),
              *[c for b, n in DECODE_SHAPES[::2] for c in _gpt_oss("fp8", b, n, queries=1)[:1]]]
-    return [dataclasses.replace(c, dtype=d) for c in cases for d in ("bfloat16", "fp8")]
+    return [dataclasses.replace(c, dtype=d) for c in cases
+            for d in (("bfloat16", "fp8", FP8_CACHE) if c.decode else ("bfloat16", "fp8"))]
 
 
 SUITES = {

@@ -56,6 +56,9 @@ def make_inputs(case: Case, device, *, seed: int = 0) -> dict:
     if case.fp8:  # each head at its own magnitude, quantised per head (queries per GQA group)
         for name, heads in (("q", case.heads), ("k", case.kv_heads), ("v", case.kv_heads)):
             x = inputs[name].float() * (rand(heads).abs() + 0.5).view(1, heads, 1, 1)
+            if name == "q" and case.fp8_cache:  # bfloat16 queries, no descale
+                inputs["q"], inputs["q_descale"] = x.to(torch.bfloat16), None
+                continue
             inputs[name], inputs[f"{name}_descale"] = quantize_fp8(
                 x, kv_heads=case.kv_heads if name == "q" else None)
     if case.paged:
@@ -69,8 +72,10 @@ def fp8_descales(inputs: dict) -> dict:
 
 
 def dequantized(case: Case, inputs: dict) -> dict:
-    """An FP8 case's inputs as float32 values (``x * descale``), what the references attend to."""
-    return dict(inputs, **{name: dequantize(inputs[name], inputs[f"{name}_descale"], None, torch.float32)
+    """An FP8 case's inputs as float32 values (``x * descale``; bfloat16 queries as they are), what the references
+    attend to."""
+    return dict(inputs, **{name: inputs[name].float() if inputs[f"{name}_descale"] is None else
+                           dequantize(inputs[name], inputs[f"{name}_descale"], None, torch.float32)
                            for name in ("q", "k", "v")})
 
 

@@ -157,6 +157,8 @@ class GstarPrefill(Gstar):
         return case.decode
 
     def unsupported(self, case, device, mode):
+        if case.fp8_cache:
+            return "16-bit queries on an FP8 cache: flash_attention_with_kvcache only"
         return _dense_cache(case)
 
 

@@ -48,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="reference shapes of docs/design.md section 5 (default: gpt-oss); varlen: gstar on "
                              "16 packed documents (16384 tokens, GPT-OSS heads) against the same documents padded "
                              "into a batch; decode (forward only, graph-timed by default): GPT-OSS decode steps "
-                             "against contiguous and paged caches; fp8 (forward only): FP8 inputs beside bfloat16; "
+                             "against contiguous and paged caches; fp8 (forward only): FP8 inputs beside bfloat16, "
+                             "decode steps also against an FP8 cache under bfloat16 queries; "
                              "all: every suite but decode and fp8")
     parser.add_argument("--mode", choices=MODES, default="fwd",
                         help="time the forward, the backward alone, or both (default: fwd)")
@@ -158,9 +159,9 @@ def _add_floors(row: dict, case, mode: str, card: dict) -> None:
     """Memory and compute floors of the case on this card (its ``gstar roofline`` measurement) and the
     percentage of the nearer (larger) floor that the row's time reaches (100 = at the roofline). FP8 cases
     count their products at twice the measured bfloat16 matmul rate, the FP8 tensor cores' rate on sm_89 and
-    sm_90."""
+    sm_90 (an FP8 cache under bfloat16 queries at the bfloat16 rate)."""
     from ..roofline import floors
-    flops = case.flops(mode) / (2 if case.fp8 else 1)
+    flops = case.flops(mode) / (2 if case.fp8 and not case.fp8_cache else 1)
     f = floors(flops, case.bytes_moved(mode), card, ms=row["time_ms"])
     row.update(memory_floor_ms=f["memory_ms"], compute_floor_ms=f["compute_ms"], bound=f["bound"],
                floor_pct=f["pct_of_floor"])
