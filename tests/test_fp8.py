@@ -19,7 +19,7 @@ from tiers import grid
 import gstar
 from gstar.accuracy import verdict
 from gstar.fp8 import FP8, FP8_MAX
-from gstar.kernels.decode import _half_queries
+from gstar.kernels.widen import half_queries
 
 PATTERNS = {  # id: (keywords, learned sinks)
     "full": (dict(causal=False), False),
@@ -266,10 +266,10 @@ def test_widen_is_exact(layout, device):
 
 @triton.jit
 def _half_queries_probe(Q, Out, Factor, R: tl.constexpr, D: tl.constexpr):
-    """Out = the float16 queries of ``decode._half_queries`` on the (R, D) bfloat16 tile Q, Factor its factor
+    """Out = the float16 queries of ``widen.half_queries`` on the (R, D) bfloat16 tile Q, Factor its factor
     (applied to a score factor of 1)."""
     offs = tl.arange(0, R)[:, None] * D + tl.arange(0, D)[None, :]
-    q, factor = _half_queries(tl.load(Q + offs), 1.0)
+    q, factor = half_queries(tl.load(Q + offs), 1.0)
     tl.store(Out + offs, q)
     tl.store(Factor, factor)
 

@@ -92,11 +92,16 @@ def test_decode_kernels_compile_without_spills(case, flags, tmp_path):
     """gstar.kernels.decode compiles for sm_90a as an H100 / H200 launches it (contiguous and paged caches, 16-bit
     and FP8, the paged 16-bit one under its register cap) without spills, its products on the tensor cores. An
     FP8 cache runs both products in float16 under any queries: bfloat16 queries leave no bfloat16 product and no
-    two-step widening of the keys (F2F, e4m3 -> float16 -> bfloat16)."""
+    two-step widening of the keys (F2F, e4m3 -> float16 -> bfloat16). A long contiguous FP8 cache takes the Gluon
+    kernel: one warp a program, no shared memory."""
     result = _run("--decode", "--case", case, *flags, "--dump", str(tmp_path))
     assert result.returncode == 0, result.stderr[-2000:]
     line = next(l for l in result.stdout.splitlines() if l.startswith("_decode:"))
-    assert re.search(r"spills 0 / 0 bytes", line), line
+    gluon = bool(flags) and "paged" not in case
+    if gluon:  # the GPU runs it under the verified Triton only; others may spill a few bytes at its register cap
+        assert " 1 warps," in line and " 0 bytes of shared memory" in line, line
+    if hopper.VERIFIED or not gluon:
+        assert re.search(r"spills 0 / 0 bytes", line), line
     sass = (tmp_path / "_decode.sass").read_text()
     assert "HMMA.16816.F32" in sass
     if flags:

@@ -349,5 +349,5 @@ def test_paged_register_cap_only_where_it_fits(monkeypatch, paged, cache_dtype, 
     plan = decode._decode_plan.__wrapped__(
         B=2, Hq=16, Hkv=2, nq=nq, D=dim, Dv=dim, paged=paged, block_size=64 if paged else 0, capacity=4096,
         pattern=Pattern.make(nq, 4096, causal=True), device=torch.device("cuda"), precision="tf32", num_splits=4,
-        fp8=cache_dtype == torch.float8_e4m3fn)
+        fp8=cache_dtype == torch.float8_e4m3fn, registers=False)
     assert dict(plan.options).get("maxnreg") == (decode.PAGED_REGISTERS if capped else None)

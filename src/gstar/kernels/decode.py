@@ -10,7 +10,10 @@ forward kernel's (:func:`gstar.kernels.forward.softmax_step`). From a contiguous
 the rule cuts (the sink-token blocks, the band's ends, the last block of the sequence) and unmasked on the whole
 blocks between, whose loads carry no masks either; a paged cache's blocks all take the masked loop. An FP8 cache
 runs ``P V`` in float16 (:func:`_widen_values`), and ``Q K^T`` in float16 too under 16-bit queries (bfloat16 ones
-scaled into its range, :func:`_half_queries`).
+scaled into its range, :func:`gstar.kernels.widen.half_queries`).
+
+On sm_90 a long contiguous FP8 cache takes the Gluon kernel of :mod:`gstar.kernels.hopper_decode` instead (one
+warp a program, no shared memory); :func:`_decode_plan` picks, and both share ``_combine``.
 
 With one split a program finishes its rows, the learned sink included. With several, each stores its
 partial result (normalised output and LSE, float32) and ``_combine`` merges a row's partials by their LSEs,
@@ -28,10 +31,12 @@ import triton
 import triton.language as tl
 
 from ..pattern import Pattern, cdiv, kv_blocks
+from . import hopper_decode
 from .configs import capability_major, dot_precision, pad_head_dim
 from .forward import descale_args, finish_state, load_descales, softmax_step, start_state
 from .launch import constexprs, launch
 from .ranges import kv_range
+from .widen import half_queries
 
 _ALL_ROWS = tl.constexpr(2**30)  # kv_range's tile height: the union of every query row's keys
 MAX_TILE_ROWS = 128  # stacked rows (group x queries) a program holds; more take further row tiles
@@ -66,22 +71,6 @@ def _widen_values(v, PTX_WIDEN: tl.constexpr):
             "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
             "=r,=r,r", [v], dtype=tl.float16, is_pure=False, pack=4)
     return v.to(tl.float16)
-
-
-@triton.jit
-def _half_queries(q, qk_scale):
-    """bfloat16 queries (BLOCK_R, D_PAD) for an FP8 cache's ``Q K^T``, as float16: ``(q * 2^e, qk_scale * 2^-e)``,
-    ``e`` setting the tile's largest magnitude in [2^14, 2^15] (tiles below 2^-111 take e = 126). e4m3 keys widen
-    to float16 in one pair conversion (to bfloat16 they take two conversions and byte permutes each), and float16
-    holds every bfloat16 value of the scaled tile exactly except components below 2^-28 of its largest
-    (subnormals). 1.14x the speed of the bfloat16 path at 1 x 131,072 (benchmarks/NOTES.md, 'FP8 decode: where the
-    time goes')."""
-    amax = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
-    e = tl.where(amax > 0, 15.0 - tl.math.ceil(tl.math.log2(amax)), 0.0)
-    e = tl.minimum(tl.maximum(e, -126.0), 126.0).to(tl.int32)  # 2^e, 2^-e normal (finite bfloat16: e >= -113)
-    up = ((e + 127) << 23).to(tl.float32, bitcast=True)  # 2^e, exactly
-    down = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e
-    return (q.to(tl.float32) * up).to(tl.float16), qk_scale * down
 
 
 @triton.jit
@@ -159,7 +148,7 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, QDescale, KDescale, V
     q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=real[:, None] & (offs_d[None, :] < HEAD_DIM),
                 other=0.0)  # (BLOCK_R, D_PAD)
     if K.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:  # an FP8 cache: Q K^T in float16
-        q, qk_scale = _half_queries(q, qk_scale)
+        q, qk_scale = half_queries(q, qk_scale)
 
     # the learned sink joins a row's sum once: here with one split, in _combine with several
     if SPLIT:
@@ -241,6 +230,7 @@ def _combine(Part, PartLse, Sinks, Out, Lse, stride_p, stride_pl, stride_o, stri
 
 
 class _DecodePlan(NamedTuple):
+    kernel: object  # _decode, or hopper_decode._decode (registers=True)
     grid: tuple[int, int, int]
     splits: int
     options: tuple
@@ -275,8 +265,23 @@ def default_splits(programs: int, visible_blocks: int, block_n: int, device: tor
 @functools.lru_cache(maxsize=256)
 def _decode_plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: bool, block_size: int,
                  capacity: int, pattern: Pattern, device: torch.device, precision: str,
-                 num_splits: int | None, fp8: bool) -> _DecodePlan:
+                 num_splits: int | None, fp8: bool, registers: bool) -> _DecodePlan:
+    """The launch of a decode step: Triton's kernel, or the Gluon one (one warp a program) where it serves the
+    call (``registers``: :func:`gstar.kernels.hopper_decode.serves`) and the queries see at least
+    ``hopper_decode.MIN_KEYS`` keys of a full cache."""
     group = Hq // Hkv
+    if registers:
+        block_n = hopper_decode.BLOCK_N.value
+        sink_end, band_start, _, _, band_end = kv_blocks(pattern, 0, nq, block_n)
+        visible_blocks = sink_end + band_end - band_start + (pattern.left >= 0)
+        if visible_blocks * block_n >= hopper_decode.MIN_KEYS:
+            splits = num_splits or hopper_decode.splits(B * Hkv, visible_blocks, device)
+            return _DecodePlan(
+                hopper_decode._decode, (splits, Hkv, B), splits,
+                constexprs(HEAD_DIM=D, VALUE_DIM=Dv, SPLIT=splits > 1, HAS_LEFT=pattern.left >= 0,
+                           HAS_RIGHT=pattern.right >= 0,
+                           HAS_SINK_TOKENS=pattern.left >= 0 and pattern.sink_tokens > 0, num_warps=1,
+                           maxnreg=hopper_decode.REGISTERS))
     width = pad_head_dim(D) + pad_head_dim(Dv)
     block_r = tile_rows(group * nq, width)
     block_n = block_keys(paged, block_size, width, fp8)
@@ -294,7 +299,7 @@ def _decode_plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: boo
     capped = major == 9 and paged and not fp8 and block_r <= 16 and width <= 128
     registers = {"maxnreg": PAGED_REGISTERS} if capped else {}
     return _DecodePlan(
-        (splits, Hkv * row_tiles, B), splits,
+        _decode, (splits, Hkv * row_tiles, B), splits,
         constexprs(HEAD_DIM=D, VALUE_DIM=Dv, BLOCK_R=block_r, BLOCK_N=block_n, PAGED=paged, SPLIT=splits > 1,
                    HAS_LEFT=pattern.left >= 0, HAS_RIGHT=pattern.right >= 0,
                    HAS_SINK_TOKENS=pattern.left >= 0 and pattern.sink_tokens > 0, PRECISION=precision,
@@ -318,27 +323,34 @@ def decode_forward(q, cache, cache_seqlens, added: int, sinks, pattern: Pattern,
     q_in = q
     if scale <= 0:  # the kernel's softmax takes a positive factor (as the forward kernel's does)
         q_in, scale = (-q, -scale) if scale < 0 else (q * 0.0, 1.0)
+    registers = hopper_decode.serves(q, k, v, cache.paged, Hq // Hkv * nq)
     plan = _decode_plan(B, Hq, Hkv, nq, D, Dv, cache.paged, cache.block_size if cache.paged else 0,
                         cache.capacity, pattern, q.device, dot_precision(q.dtype), num_splits,
-                        k.dtype == torch.float8_e4m3fn)
+                        k.dtype == torch.float8_e4m3fn, registers)
     out = q.new_empty((B, Hq, nq, Dv), dtype=out_dtype)
     lse = torch.empty((B, Hq, nq), dtype=torch.float32, device=q.device)
-    table = cache.block_table
-    scalars = (tuple(q_in.stride()[:3]), tuple(k.stride()[:3]), tuple(v.stride()[:3]),
-               table.stride(0) if cache.paged else 0)
+    if plan.splits == 1:  # the kernel writes the rows, the learned sink included
+        target, target_lse, kernel_sinks = out, lse, sinks
+    else:  # each split its partial rows, merged by _combine
+        target = torch.empty((B, Hq, plan.splits, nq, Dv), dtype=torch.float32, device=q.device)
+        target_lse = torch.empty((B, Hq, plan.splits, nq), dtype=torch.float32, device=q.device)
+        kernel_sinks = None
     descales, descale_strides = descale_args(descale)
-    bounds = (Hq // Hkv, added, pattern.left, pattern.right, pattern.sink_tokens,
-              cache.block_size if cache.paged else 1, scale * math.log2(math.e), descale_strides)
-    if plan.splits == 1:
-        launch(_decode, plan.grid, (q_in, k, v, table, cache_seqlens, sinks, out, lse, *descales),
-               (*scalars, tuple(out.stride()[:3]), tuple(lse.stride()[:2]), nq, *bounds), plan.options)
-        return out, lse
-    part = torch.empty((B, Hq, plan.splits, nq, Dv), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((B, Hq, plan.splits, nq), dtype=torch.float32, device=q.device)
-    launch(_decode, plan.grid, (q_in, k, v, table, cache_seqlens, None, part, part_lse, *descales),
-           (*scalars, tuple(part.stride()[:4]), tuple(part_lse.stride()[:3]), nq, *bounds), plan.options)
-    launch(_combine, (nq, Hq, B), (part, part_lse, sinks, out, lse),
-           (tuple(part.stride()[:4]), tuple(part_lse.stride()[:3]), tuple(out.stride()[:3]),
-            tuple(lse.stride()[:2]), plan.splits),
-           constexprs(VALUE_DIM=Dv, SPLITS_PAD=triton.next_power_of_2(plan.splits), num_warps=4))
+    strides = (tuple(q_in.stride()[:3]), tuple(k.stride()[:3]), tuple(v.stride()[:3]))
+    outputs = (tuple(target.stride()[:target.dim() - 1]), tuple(target_lse.stride()[:target_lse.dim() - 1]))
+    bounds = (nq, Hq // Hkv, added, pattern.left, pattern.right, pattern.sink_tokens)
+    qk_scale = scale * math.log2(math.e)
+    if plan.kernel is hopper_decode._decode:
+        launch(plan.kernel, plan.grid, (q_in, k, v, cache_seqlens, kernel_sinks, target, target_lse, *descales),
+               (*strides, *outputs, *bounds, qk_scale, descale_strides), plan.options)
+    else:
+        table = cache.block_table
+        launch(plan.kernel, plan.grid,
+               (q_in, k, v, table, cache_seqlens, kernel_sinks, target, target_lse, *descales),
+               (*strides, table.stride(0) if cache.paged else 0, *outputs, *bounds,
+                cache.block_size if cache.paged else 1, qk_scale, descale_strides), plan.options)
+    if plan.splits > 1:
+        launch(_combine, (nq, Hq, B), (target, target_lse, sinks, out, lse),
+               (outputs[0], outputs[1], tuple(out.stride()[:3]), tuple(lse.stride()[:2]), plan.splits),
+               constexprs(VALUE_DIM=Dv, SPLITS_PAD=triton.next_power_of_2(plan.splits), num_warps=4))
     return out, lse

@@ -1,0 +1,287 @@
+"""The Hopper (sm_90) decode kernel for FP8 caches, in Gluon: one warp a program, keys and values loaded
+from global memory straight into the registers the tensor cores read, no shared memory.
+
+Triton's decode kernel (:mod:`gstar.kernels.decode`) stages every K and V tile in shared memory, widens V
+there to float16 and passes P between its four warps through it: against an FP8 cache its shared-memory pipe
+is the busiest unit, not DRAM (benchmarks/NOTES.md, 'FP8 decode: where the time goes'). Here each program is
+one warp holding the softmax state of its stacked rows (``BLOCK_R = 16``: a GQA group's heads times the
+queries), and each ``mma.sync`` operand is loaded in the layout the instruction reads:
+
+- ``Q K^T`` sums over the head dim, so any order of its components serves, the same for Q and K. Component
+  ``d'`` of the product is stored component ``d`` of the row (:func:`_head_dim_order`), which gives each thread
+  a quarter of each key's row as one vector load (16 bytes at D = 64).
+- ``P V``'s output columns may come out in any order the store undoes: column ``n`` of the product is stored
+  column ``(n % 8) * Dv / 8 + n // 8`` of the row (:func:`_value_order`), which gives each thread an eighth of
+  each key's values as one vector load.
+- P leaves the scores' accumulator in the layout ``P V`` reads (the FlashAttention-2 identity of ``mma.sync``'s
+  fragments): no data moves.
+
+Keys and values travel as 32-bit words (four FP8 values each) and widen to float16 in registers, two tiles of
+32 keys in flight a program; the splits fill one wave of programs, twelve an SM (:func:`splits`). The walk over
+visible blocks, the rule and the softmax are the Triton kernels' own (:func:`gstar.kernels.ranges.kv_range`,
+:func:`gstar.kernels.forward.softmax_step`); :func:`gstar.kernels.decode._combine` merges the split partials.
+:func:`serves` says which calls it can take; the plan (:func:`gstar.kernels.decode._decode_plan`) gives it those
+whose queries see ``MIN_KEYS`` keys or more, where it measured faster.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import constexpr_function
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from ..fp8 import FP8
+from ..pattern import cdiv
+from .forward import finish_state, load_descales, softmax_step
+from .hopper import _on_hopper
+from .ranges import kv_range
+from .widen import half_queries
+
+BLOCK_R = gl.constexpr(16)  # stacked rows a program holds: mma.sync's M
+BLOCK_N = gl.constexpr(32)  # keys a tile
+HEAD_DIMS = (64,)  # D = Dv served (at 128 the kernel spills)
+# keys a full cache shows the queries, from which this kernel beat Triton's on an H200: 0.86-0.95x its time from
+# 16,384 keys, 1.03-1.11x at 4,096 and 8,192, where the split partials' merge outweighs the walk
+# (benchmarks/NOTES.md, 'FP8 decode: a register kernel in Gluon')
+MIN_KEYS = 16384
+REGISTERS = 168  # a thread's, the compiler's own count at D 64: twelve one-warp programs an SM (65,536 each)
+MAX_SPLITS = 256
+_ALL_ROWS = gl.constexpr(2**30)  # kv_range's tile height: the union of every query row's keys
+_LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@constexpr_function
+def _mma_layout():
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+
+
+@constexpr_function
+def _rows_layout(width):
+    """A (rows, width) tile whose rows (keys or queries) ``mma.sync`` reads as ``Q K^T``'s operands after
+    :func:`_head_dim_order`: each thread a contiguous quarter of a row, eight rows a warp. A tile of FP8 words
+    (``width`` / 4 of them, :func:`_widen`) takes it at width / 4."""
+    return gl.BlockedLayout([1, width // 4], [8, 4], [1, 1], [1, 0])
+
+
+@constexpr_function
+def _values_layout(block_n, words):
+    """A (block_n, words) tile of FP8 value words, four values each, as ``P V``'s operand reads them after
+    :func:`_widen` and :func:`_value_order`: each thread an eighth of each row of its keys (lane bits: key bits
+    1-2, then the word's bits that pick the fragment's column; register bits: the rest of the eighth, key bit 0
+    and key bits 3 up)."""
+    eighth = words // 8
+    regs = [[0, 1 << i] for i in range(eighth.bit_length() - 1)] + [[1, 0]]
+    regs += [[1 << i, 0] for i in range(3, block_n.bit_length() - 1)]
+    lanes = [[2, 0], [4, 0]] + [[0, eighth << i] for i in range(3)]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=lanes, warp_bases=[], block_bases=[],
+                                      shape=[block_n, words])
+
+
+@gluon.jit
+def _widen(words):
+    """FP8 words (R, W) int32, four e4m3 values each (little-endian), as float16 (R, 4 W), exactly, two pair
+    conversions a word. The tiles travel as 32-bit words: a loop-carried tile of bytes would be split into a
+    register a byte and packed again for each conversion."""
+    a, b, c, d = gl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; .reg .b32 x, y; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 x, lo; "
+        "cvt.rn.f16x2.e4m3x2 y, hi; mov.b32 {$0, $1}, x; mov.b32 {$2, $3}, y; }",
+        "=h,=h,=h,=h,r", [words], dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=1)
+    R: gl.constexpr = words.shape[0]
+    W: gl.constexpr = words.shape[1]
+    return gl.join(gl.join(a, c), gl.join(b, d)).reshape([R, 4 * W])  # value 4 w + 2 j + i at [w, j, i]
+
+
+@gluon.jit
+def _head_dim_order(x):
+    """x (R, D) as stored, relabelled so that component ``d'`` of the product is stored component
+    ``(d' // 2 % 4) * D / 4 + (d' // 16) * 4 + (d' // 8 % 2) * 2 + d' % 2``: in :func:`_rows_layout` this is
+    mma.sync's operand layout, no data moved."""
+    R: gl.constexpr = x.shape[0]
+    D: gl.constexpr = x.shape[1]
+    x = x.reshape([R, 4, D // 16, 2, 2]).permute([0, 2, 3, 1, 4])  # (row, c, kk, f1, f0) -> (kk, f1, c, f0)
+    return x.reshape([R, D])
+
+
+@gluon.jit
+def _value_order(v):
+    """v (BLOCK_N, Dv) as stored, relabelled so that column ``n`` is stored column ``(n % 8) * Dv / 8 + n // 8``."""
+    N: gl.constexpr = v.shape[0]
+    DV: gl.constexpr = v.shape[1]
+    return v.reshape([N, 8, DV // 8]).permute([0, 2, 1]).reshape([N, DV])
+
+
+@gluon.jit
+def _tile(Words, offs, start_n, offs_n, pred, nk, MASKED: gl.constexpr, ZEROS: gl.constexpr):
+    """The FP8 words of keys ``start_n + offs_n``: ``Words`` the sequence and head's first key as int32,
+    ``offs`` the words' offsets within a tile (keys ``offs_n``, rows of ``offs.shape[1]`` words). MASKED tiles load
+    where ``pred`` holds and below ``nk``; ZEROS fills the rest with zeros (values: a masked key's weight is 0,
+    and 0 times a stale register could be NaN), else leaves it undefined (keys: the mask hides their scores).
+    Whole tiles load without a mask."""
+    ptrs = Words + start_n.to(gl.int64) * offs.shape[1] + offs
+    if not MASKED:
+        return gl.load(ptrs)
+    ok = (pred & (start_n + offs_n < nk))[:, None]
+    if ZEROS:
+        return gl.load(ptrs, mask=ok, other=0)
+    return gl.load(ptrs, mask=ok)
+
+
+@gluon.jit
+def _fold(acc, m_i, l_i, q, k, v, cols, rows, rule, qk_scale, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+          HAS_SINK_TOKENS: gl.constexpr, MASKED: gl.constexpr):
+    """One tile's update of the rows' state: k, v its FP8 words (:func:`_tile`), cols its keys' indices."""
+    nq, nk, left, right, sink_tokens = rule
+    mma: gl.constexpr = _mma_layout()
+    kt = _head_dim_order(_widen(k)).permute([1, 0])  # (D, BLOCK_N)
+    kt = gl.convert_layout(kt, gl.DotOperandLayout(1, mma, 2), assert_trivial=True)
+    s = mma_v2(q, kt, gl.zeros([BLOCK_R, BLOCK_N], gl.float32, mma))  # (BLOCK_R, BLOCK_N) raw scores
+    p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, rows, cols, qk_scale, nq, nk, left, right, sink_tokens,
+                                      HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, MASKED, True)
+    p = gl.convert_layout(p.to(gl.float16), gl.DotOperandLayout(0, mma, 2), assert_trivial=True)
+    v = gl.convert_layout(_value_order(_widen(v)), gl.DotOperandLayout(1, mma, 2))
+    return mma_v2(p, v, acc * alpha[:, None]), m_i, l_i
+
+
+@gluon.jit
+def _attend(acc, m_i, l_i, q, rows, i_lo, i_hi, blocks, rule, qk_scale, HAS_LEFT: gl.constexpr,
+            HAS_RIGHT: gl.constexpr, HAS_SINK_TOKENS: gl.constexpr, MASKED: gl.constexpr):
+    """Fold visible blocks ``i_lo .. i_hi`` into the rows' state, as :func:`gstar.kernels.decode._attend`, two
+    tiles in flight: buffers a and b take the even and odd tiles, each loaded again (two tiles on) right after
+    its fold, so that no register is copied while its load is in flight (a copy would wait for it). Whole tiles
+    load without a mask: a load past the last tile reads the last one again. ``blocks``: (K, V, sink_end,
+    band_start), K and V this sequence's and head's first key as int32 words, keys in consecutive rows
+    (constant offsets within a tile); ``rule``: (nq, nk, left, right, sink_tokens)."""
+    K, V, sink_end, band_start = blocks
+    nk = rule[1]
+    D: gl.constexpr = q.shape[1]
+    DV: gl.constexpr = acc.shape[1]
+    mma: gl.constexpr = _mma_layout()
+    k_layout: gl.constexpr = _rows_layout(D // 4)
+    v_layout: gl.constexpr = _values_layout(BLOCK_N, DV // 4)
+    offs_kn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, k_layout))
+    offs_vn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_layout))
+    k_offs = offs_kn[:, None] * (D // 4) + gl.arange(0, D // 4, layout=gl.SliceLayout(0, k_layout))[None, :]
+    v_offs = offs_vn[:, None] * (DV // 4) + gl.arange(0, DV // 4, layout=gl.SliceLayout(0, v_layout))[None, :]
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+    last = i_hi - 1
+    a = i_lo
+    start_a = gl.where(a < sink_end, a, band_start + a - sink_end) * BLOCK_N
+    k_a = _tile(K, k_offs, start_a, offs_kn, a < i_hi, nk, MASKED, False)  # (BLOCK_N, D / 4) words
+    v_a = _tile(V, v_offs, start_a, offs_vn, a < i_hi, nk, MASKED, MASKED)  # (BLOCK_N, DV / 4) words
+    b = i_lo + 1 if MASKED else gl.minimum(i_lo + 1, last)
+    start_b = gl.where(b < sink_end, b, band_start + b - sink_end) * BLOCK_N
+    k_b = _tile(K, k_offs, start_b, offs_kn, b < i_hi, nk, MASKED, False)
+    v_b = _tile(V, v_offs, start_b, offs_vn, b < i_hi, nk, MASKED, MASKED)
+    for i in range(i_lo, i_hi, 2):
+        acc, m_i, l_i = _fold(acc, m_i, l_i, q, k_a, v_a, start_a + offs_n, rows, rule, qk_scale, HAS_LEFT,
+                              HAS_RIGHT, HAS_SINK_TOKENS, MASKED)
+        a = i + 2 if MASKED else gl.minimum(i + 2, last)
+        start_a = gl.where(a < sink_end, a, band_start + a - sink_end) * BLOCK_N
+        k_a = _tile(K, k_offs, start_a, offs_kn, a < i_hi, nk, MASKED, False)
+        v_a = _tile(V, v_offs, start_a, offs_vn, a < i_hi, nk, MASKED, MASKED)
+        if i + 1 < i_hi:
+            acc, m_i, l_i = _fold(acc, m_i, l_i, q, k_b, v_b, start_b + offs_n, rows, rule, qk_scale, HAS_LEFT,
+                                  HAS_RIGHT, HAS_SINK_TOKENS, MASKED)
+        b = i + 3 if MASKED else gl.minimum(i + 3, last)
+        start_b = gl.where(b < sink_end, b, band_start + b - sink_end) * BLOCK_N
+        k_b = _tile(K, k_offs, start_b, offs_kn, b < i_hi, nk, MASKED, False)
+        v_b = _tile(V, v_offs, start_b, offs_vn, b < i_hi, nk, MASKED, MASKED)
+    return acc, m_i, l_i
+
+
+# lengths, bounds and row counts change between calls: specialising on them would recompile a decode loop
+@gluon.jit(do_not_specialize=["nq", "group", "added", "left", "right", "sink_tokens"])
+def _decode(Q, K, V, Seqlens, Sinks, Out, Lse, QDescale, KDescale, VDescale,
+            stride_q, stride_k, stride_v, stride_o, stride_lse,
+            nq, group, added, left, right, sink_tokens, qk_scale, stride_ds,
+            HEAD_DIM: gl.constexpr, VALUE_DIM: gl.constexpr, SPLIT: gl.constexpr, HAS_LEFT: gl.constexpr,
+            HAS_RIGHT: gl.constexpr, HAS_SINK_TOKENS: gl.constexpr):
+    """Grid ``(splits, Hkv * row_tiles, B)`` as Triton's (the plan gives one row tile: ``group * nq <= BLOCK_R``),
+    one warp a program; arguments as :func:`gstar.kernels.decode._decode`'s for a contiguous FP8 cache (no block table) whose keys are
+    consecutive rows (``stride_k[2]`` = HEAD_DIM, ``stride_v[2]`` = VALUE_DIM); tiles of ``BLOCK_N`` keys."""
+    mma: gl.constexpr = _mma_layout()
+    q_layout: gl.constexpr = _rows_layout(HEAD_DIM)
+    split = gl.program_id(0)
+    splits = gl.num_programs(0)
+    kv_heads = gl.num_programs(1) // gl.cdiv(group * nq, BLOCK_R)  # axis 1: kv heads fastest, then row tiles
+    hkv = gl.program_id(1) % kv_heads
+    tile = gl.program_id(1) // kv_heads
+    b = gl.program_id(2).to(gl.int64)
+    nk = gl.load(Seqlens + b) + added
+    qk_scale, v_descale = load_descales(QDescale, KDescale, VDescale, b, hkv, stride_ds, qk_scale)
+
+    offs_r = tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, q_layout))
+    real = offs_r < group * nq
+    heads = (hkv * group + gl.where(real, offs_r, 0) // nq).to(gl.int64)
+    q_rows = b * stride_q[0] + heads * stride_q[1] + (gl.where(real, offs_r, 0) % nq) * stride_q[2]
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
+    q = gl.load(Q + q_rows[:, None] + offs_d[None, :], mask=real[:, None], other=0.0)  # (BLOCK_R, HEAD_DIM)
+    if q.dtype == gl.bfloat16:  # Q K^T in float16, the queries scaled into its range
+        q, qk_scale = half_queries(q, qk_scale)
+    q = gl.convert_layout(_head_dim_order(q.to(gl.float16)), gl.DotOperandLayout(0, mma, 2))
+
+    offs_r = tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, mma))  # the scores' rows
+    real = offs_r < group * nq
+    heads = (hkv * group + gl.where(real, offs_r, 0) // nq).to(gl.int64)
+    rows = gl.where(real, offs_r, 0) % nq  # query index of each stacked row
+    acc = gl.zeros([BLOCK_R, VALUE_DIM], gl.float32, mma)
+    if SPLIT or Sinks is None:  # the learned sink joins a row's sum once: here with one split, else in _combine
+        m_i = gl.full([BLOCK_R], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
+        l_i = gl.zeros([BLOCK_R], gl.float32, gl.SliceLayout(1, mma))
+    else:
+        m_i = gl.load(Sinks + heads) * _LOG2E
+        l_i = gl.full([BLOCK_R], 1.0, gl.float32, gl.SliceLayout(1, mma))
+
+    sink_end, band_start, full_start, full_end, band_end = kv_range(0, nq, nk, left, right, sink_tokens, _ALL_ROWS,
+                                                                    BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    count = sink_end + band_end - band_start  # the i-th visible block: [0, sink_end), then [band_start, band_end)
+    per = gl.cdiv(count, splits)
+    lo, hi = split * per, gl.minimum(split * per + per, count)  # this split's share
+    k_words = (K + b * stride_k[0] + hkv * stride_k[1]).to(gl.pointer_type(gl.int32), bitcast=True)
+    v_words = (V + b * stride_v[0] + hkv * stride_v[1]).to(gl.pointer_type(gl.int32), bitcast=True)
+    blocks = (k_words, v_words, sink_end, band_start)
+    rule = (nq, nk, left, right, sink_tokens)
+    whole, whole_end = sink_end + full_start - band_start, sink_end + full_end - band_start  # the whole blocks' i
+    if lo < gl.minimum(hi, whole):
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, rows, lo, gl.minimum(hi, whole), blocks, rule, qk_scale,
+                                HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True)
+    if gl.maximum(lo, whole) < gl.minimum(hi, whole_end):
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, rows, gl.maximum(lo, whole), gl.minimum(hi, whole_end), blocks,
+                                rule, qk_scale, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, False)
+    if gl.maximum(lo, whole_end) < hi:
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, rows, gl.maximum(lo, whole_end), hi, blocks, rule, qk_scale,
+                                HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True)
+
+    if VDescale is not None:  # v's descale: one multiply of the finished rows (a split's partial alike)
+        acc = acc * v_descale
+    out, lse = finish_state(acc, m_i, l_i)  # (BLOCK_R, VALUE_DIM), (BLOCK_R,)
+    offs_n = gl.arange(0, VALUE_DIM, layout=gl.SliceLayout(0, mma))
+    column = (offs_n % 8) * (VALUE_DIM // 8) + offs_n // 8  # where P V's column n is stored (_value_order)
+    if SPLIT:
+        o_rows = b * stride_o[0] + heads * stride_o[1] + split * stride_o[2] + rows * stride_o[3]
+        lse_rows = b * stride_lse[0] + heads * stride_lse[1] + split * stride_lse[2] + rows
+    else:
+        o_rows = b * stride_o[0] + heads * stride_o[1] + rows * stride_o[2]
+        lse_rows = b * stride_lse[0] + heads * stride_lse[1] + rows
+    gl.store(Out + o_rows[:, None] + column[None, :], out.to(Out.dtype.element_ty), mask=real[:, None])
+    gl.store(Lse + lse_rows, lse, mask=real)
+
+
+def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paged: bool, stacked: int) -> bool:
+    """Whether a decode call takes this kernel: q (FP8 or 16-bit) on an sm_90 GPU (a verified Triton), a
+    contiguous FP8 cache (B, Hkv, N, D) with D = Dv in ``HEAD_DIMS``, its keys in consecutive rows and each
+    head's at a 16-byte boundary (the word loads), and at most ``BLOCK_R`` stacked rows (group x queries)."""
+    return (_on_hopper(q) and not paged and k.dtype == FP8 and v.dtype == FP8 and q.dtype != torch.float32
+            and q.shape[-1] == k.shape[-1] == v.shape[-1] and k.shape[-1] in HEAD_DIMS and stacked <= BLOCK_R.value
+            and all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) % 16 == 0
+                    and t.stride(2) == t.shape[3] for t in (k, v)))
+
+
+def splits(pairs: int, visible_blocks: int, device: torch.device) -> int:
+    """Splits per (sequence, kv head), of ``pairs`` such: as many as one wave of resident programs holds (a
+    second, partial wave would cost a whole split's walk), each keeping at least four tiles, at most
+    ``MAX_SPLITS``."""
+    resident = 65536 // (32 * REGISTERS) * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(resident // pairs, cdiv(visible_blocks, 4), MAX_SPLITS))

@@ -1,0 +1,170 @@
+"""The Gluon decode kernel for FP8 caches (gstar.kernels.hopper_decode): which calls it serves and the plan that
+takes it (on CPU, the GPU's facts stood in), and on the GPU tier both decode kernels on every pattern it accepts,
+FP8 and bfloat16 queries, one and two queries, ragged lengths, within the bar of the float64 oracle.
+"""
+
+import pytest
+import torch
+
+import gstar
+from gstar.accuracy import verdict
+from gstar.kernels import decode, hopper_decode
+from gstar.pattern import Pattern
+
+F8 = torch.float8_e4m3fn
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU tier)")
+
+
+def _meta(*shape, dtype=F8):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+@pytest.mark.parametrize("q_dtype, cache, dim, stacked, paged, expected", [
+    (F8, "contiguous", 64, 8, False, True),
+    (torch.bfloat16, "contiguous", 64, 16, False, True),
+    (torch.float16, "contiguous", 64, 16, False, True),
+    (torch.float32, "contiguous", 64, 8, False, False),   # float32 queries: Triton's kernel
+    (F8, "contiguous", 64, 32, False, False),              # more rows than one mma.sync tile
+    (F8, "contiguous", 128, 8, False, False),              # head dim 128 spills
+    (F8, "bf16", 64, 8, False, False),                     # a 16-bit cache
+    (F8, "heads-inner", 64, 8, False, False),              # keys not in consecutive rows
+    (F8, "contiguous", 64, 8, True, False),                # paged
+])
+def test_serves(monkeypatch, q_dtype, cache, dim, stacked, paged, expected):
+    monkeypatch.setattr(hopper_decode, "_on_hopper", lambda q: True)
+    q = _meta(2, 16, 1, dim, dtype=q_dtype)
+    if cache == "heads-inner":  # (B, N, Hkv, D) seen as (B, Hkv, N, D)
+        k = v = _meta(2, 1000, 2, dim).transpose(1, 2)
+    else:
+        k = v = _meta(2, 2, 1000, dim, dtype=torch.bfloat16 if cache == "bf16" else F8)
+    assert hopper_decode.serves(q, k, v, paged, stacked) is expected
+
+
+def test_not_served_off_the_gpu():
+    k = torch.zeros(1, 1, 64, 64, dtype=F8)
+    assert not hopper_decode.serves(torch.zeros(1, 8, 1, 64, dtype=torch.bfloat16), k, k, False, 8)
+
+
+def _plan(monkeypatch, capacity, window=(-1, -1), B=1, num_splits=None):
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {
+        "multi_processor_count": 132})())
+    monkeypatch.setattr(decode, "capability_major", lambda device: 9)
+    return decode._decode_plan.__wrapped__(
+        B=B, Hq=64, Hkv=8, nq=1, D=64, Dv=64, paged=False, block_size=0, capacity=capacity,
+        pattern=Pattern.make(1, capacity, causal=True, window=window), device=torch.device("cuda"),
+        precision="tf32", num_splits=num_splits, fp8=True, registers=True)
+
+
+@pytest.mark.parametrize("capacity, window, B, kernel, splits", [
+    (131072, (-1, -1), 1, "gluon", 132 * 12 // 8),         # one wave: twelve programs an SM
+    (32768, (-1, -1), 8, "gluon", 132 * 12 // 64),
+    (16384, (-1, -1), 1, "gluon", 16384 // 32 // 4),       # four tiles a split at least
+    (16384, (-1, -1), 256, "gluon", 1),                    # more (sequence, head) pairs than one wave
+    (8192, (-1, -1), 1, "triton", None),                   # below MIN_KEYS: Triton's kernel
+    (131072, (127, 0), 1, "triton", None),                 # a window shows a few blocks
+])
+def test_plan_takes_the_kernel_from_min_keys(monkeypatch, capacity, window, B, kernel, splits):
+    plan = _plan(monkeypatch, capacity, window, B)
+    assert (plan.kernel is hopper_decode._decode) == (kernel == "gluon")
+    if splits is not None:
+        assert plan.splits == splits and plan.grid == (splits, 8, B)
+        assert dict(plan.options)["num_warps"] == 1
+
+
+def test_plan_keeps_num_splits(monkeypatch):
+    plan = _plan(monkeypatch, 65536, num_splits=7)
+    assert plan.kernel is hopper_decode._decode and plan.splits == 7
+
+
+PATTERNS = {  # id: (keywords, learned sinks)
+    "full": (dict(causal=False), False),
+    "causal-sinks": (dict(causal=True), True),
+    "window-sinks": (dict(causal=True, window=(9, 0)), True),
+    "window-sink-tokens": (dict(causal=False, window=(700, 3), sink_tokens=2), False),
+}
+
+
+def _dequantized(x8, descale, group=1):
+    return x8.double() * descale.double().repeat_interleave(group, dim=1)[:, :, None, None]
+
+
+def _run(q, k8, v8, lengths, descales, pattern, sinks, num_splits, kernel, monkeypatch):
+    """The call's output through ``kernel`` ("gluon": every cache length, MIN_KEYS set to 0; "triton": the
+    Gluon kernel refused), and the kernels it launched."""
+    launched = []
+    real = decode.launch
+    monkeypatch.setattr(decode, "launch", lambda fn, *a: launched.append(fn) or real(fn, *a))
+    monkeypatch.setattr(hopper_decode, "MIN_KEYS", 0)
+    if kernel == "triton":
+        monkeypatch.setattr(hopper_decode, "serves", lambda *a: False)
+    decode._decode_plan.cache_clear()
+    try:
+        with torch.no_grad():
+            out = gstar.flash_attention_with_kvcache(q, k8, v8, cache_seqlens=lengths, sinks=sinks,
+                                                     num_splits=num_splits, **descales, **pattern)
+    finally:
+        monkeypatch.undo()
+        decode._decode_plan.cache_clear()
+    return out, launched
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("pattern_id", list(PATTERNS))
+@pytest.mark.parametrize("q_fp8", [True, False], ids=["fp8-queries", "bf16-queries"])
+@pytest.mark.parametrize("nq, num_splits", [(1, None), (2, 3), (1, 1)])
+def test_gpu_both_kernels_within_bar(pattern_id, q_fp8, nq, num_splits, monkeypatch):
+    g = torch.Generator().manual_seed(6)
+    B, Hq, Hkv, D, capacity = 3, 16, 2, 64, 3001
+    lengths = torch.tensor([nq, 777, capacity], dtype=torch.int32, device="cuda")
+    k8, kd = gstar.quantize_fp8(torch.randn(B, Hkv, capacity, D, generator=g).cuda())
+    v8, vd = gstar.quantize_fp8(torch.randn(B, Hkv, capacity, D, generator=g).cuda())
+    q = torch.randn(B, Hq, nq, D, generator=g).cuda()
+    qd = None
+    if q_fp8:
+        q, qd = gstar.quantize_fp8(q, kv_heads=Hkv)
+    else:
+        q = q.bfloat16()
+    pattern, learned = PATTERNS[pattern_id]
+    sinks = (torch.randn(Hq, generator=g) * 2).cuda() if learned else None
+    descales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    outs = {}
+    for kernel in ("gluon", "triton"):
+        outs[kernel], launched = _run(q, k8, v8, lengths, descales, pattern, sinks, num_splits, kernel, monkeypatch)
+        assert (hopper_decode._decode in launched) == (kernel == "gluon"), launched
+    for b in range(B):
+        n = int(lengths[b])
+        q_b = _dequantized(q[b:b + 1], qd[b:b + 1], Hq // Hkv) if q_fp8 else q[b:b + 1].double()
+        k_b, v_b = _dequantized(k8[b:b + 1, :, :n], kd[b:b + 1]), _dequantized(v8[b:b + 1, :, :n], vd[b:b + 1])
+        ref, _ = gstar.naive_attention(q_b, k_b, v_b, sinks=None if sinks is None else sinks.double(), **pattern)
+        pt, _ = gstar.naive_attention(*(t.bfloat16() for t in (q_b, k_b, v_b)), sinks=sinks, **pattern)
+        for kernel, out in outs.items():
+            check = verdict(f"{kernel} sequence {b}", out[b:b + 1], ref, pt)
+            assert check.ok, check
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_long_cache_takes_the_gluon_kernel(monkeypatch):
+    """A cache past MIN_KEYS takes the Gluon kernel by itself (no setting changed), ragged lengths within it."""
+    g = torch.Generator().manual_seed(7)
+    B, Hq, Hkv, D, capacity = 2, 64, 8, 64, hopper_decode.MIN_KEYS + 35
+    lengths = torch.tensor([9000, capacity], dtype=torch.int32, device="cuda")
+    k8, kd = gstar.quantize_fp8(torch.randn(B, Hkv, capacity, D, generator=g).cuda())
+    v8, vd = gstar.quantize_fp8(torch.randn(B, Hkv, capacity, D, generator=g).cuda())
+    q = torch.randn(B, Hq, 1, D, generator=g).bfloat16().cuda()
+    sinks = torch.randn(Hq, generator=g).cuda()
+    launched = []
+    real = decode.launch
+    monkeypatch.setattr(decode, "launch", lambda fn, *a: launched.append(fn) or real(fn, *a))
+    with torch.no_grad():
+        out = gstar.flash_attention_with_kvcache(q, k8, v8, cache_seqlens=lengths, sinks=sinks, k_descale=kd,
+                                                 v_descale=vd)
+    assert hopper_decode._decode in launched
+    for b in range(B):
+        n = int(lengths[b])
+        k_b, v_b = _dequantized(k8[b:b + 1, :, :n], kd[b:b + 1]), _dequantized(v8[b:b + 1, :, :n], vd[b:b + 1])
+        ref, _ = gstar.naive_attention(q[b:b + 1].double(), k_b, v_b, sinks=sinks.double(), causal=True)
+        pt, _ = gstar.naive_attention(q[b:b + 1], k_b.bfloat16(), v_b.bfloat16(), sinks=sinks, causal=True)
+        check = verdict(f"sequence {b}", out[b:b + 1], ref, pt)
+        assert check.ok, check
