@@ -43,7 +43,7 @@ BLOCK_R = gl.constexpr(16)  # stacked rows a program holds: mma.sync's M
 BLOCK_N = gl.constexpr(32)  # keys a tile
 HEAD_DIMS = (64,)  # D = Dv served (at 128 the kernel spills)
 # keys a full cache shows the queries, from which this kernel beat Triton's on an H200: 0.86-0.95x its time from
-# 16,384 keys, 1.03-1.11x at 4,096 and 8,192, where the split partials' merge outweighs the walk
+# 16,384 keys, 0.99-1.11x at 4,096 and 8,192, where the split partials' merge outweighs the walk
 # (benchmarks/NOTES.md, 'FP8 decode: a register kernel in Gluon')
 MIN_KEYS = 16384
 REGISTERS = 168  # a thread's, the compiler's own count at D 64: twelve one-warp programs an SM (65,536 each)
