@@ -35,7 +35,7 @@ from . import hopper_decode
 from .configs import capability_major, dot_precision, pad_head_dim
 from .forward import descale_args, finish_state, load_descales, softmax_step, start_state
 from .launch import constexprs, launch
-from .ranges import kv_range
+from .ranges import decode_program, decode_rows, kv_range
 from .widen import half_queries
 
 _ALL_ROWS = tl.constexpr(2**30)  # kv_range's tile height: the union of every query row's keys
@@ -129,13 +129,7 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, QDescale, KDescale, V
     """
     D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
     DV_PAD: tl.constexpr = pad_head_dim(VALUE_DIM)
-    split = tl.program_id(0)
-    splits = tl.num_programs(0)
-    kv_heads = tl.num_programs(1) // tl.cdiv(group * nq, BLOCK_R)  # axis 1: kv heads fastest, then row tiles
-    hkv = tl.program_id(1) % kv_heads
-    tile = tl.program_id(1) // kv_heads
-    b = tl.program_id(2).to(tl.int64)
-    nk = tl.load(Seqlens + b) + added
+    split, splits, hkv, tile, b, nk = decode_program(Seqlens, added, group, nq, BLOCK_R)
     qk_scale, v_descale = load_descales(QDescale, KDescale, VDescale, b, hkv, stride_ds, qk_scale)
 
     offs_r = tile * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,) stacked rows of the group
@@ -187,12 +181,7 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, QDescale, KDescale, V
         acc = acc * v_descale
     out, lse = finish_state(acc, m_i, l_i)  # (BLOCK_R, DV_PAD), (BLOCK_R,)
     value_ok = real[:, None] & (offs_dv[None, :] < VALUE_DIM)
-    if SPLIT:
-        o_rows = b * stride_o[0] + heads * stride_o[1] + split * stride_o[2] + rows * stride_o[3]
-        lse_rows = b * stride_lse[0] + heads * stride_lse[1] + split * stride_lse[2] + rows
-    else:
-        o_rows = b * stride_o[0] + heads * stride_o[1] + rows * stride_o[2]
-        lse_rows = b * stride_lse[0] + heads * stride_lse[1] + rows
+    o_rows, lse_rows = decode_rows(b, heads, split, rows, stride_o, stride_lse, SPLIT)
     tl.store(Out + o_rows[:, None] + offs_dv[None, :], out.to(Out.dtype.element_ty), mask=value_ok)
     tl.store(Lse + lse_rows, lse, mask=real)
 

@@ -36,7 +36,7 @@ from ..fp8 import FP8
 from ..pattern import cdiv
 from .forward import finish_state, load_descales, softmax_step
 from .hopper import _on_hopper
-from .ranges import kv_range
+from .ranges import decode_program, decode_rows, kv_range
 from .widen import half_queries
 
 BLOCK_R = gl.constexpr(16)  # stacked rows a program holds: mma.sync's M
@@ -129,6 +129,20 @@ def _tile(Words, offs, start_n, offs_n, pred, nk, MASKED: gl.constexpr, ZEROS: g
 
 
 @gluon.jit
+def _tiles(blocks, j, i_hi, offs, nk, MASKED: gl.constexpr):
+    """Visible block ``j``'s first key and its K and V words (:func:`_tile`); whole tiles take ``j`` clamped to the
+    last one, ``i_hi - 1``, masked ones load nothing past it. ``blocks`` as :func:`_attend` takes it; ``offs``:
+    (K's in-tile offsets, their keys, V's, theirs)."""
+    K, V, sink_end, band_start = blocks
+    k_offs, offs_kn, v_offs, offs_vn = offs
+    if not MASKED:
+        j = gl.minimum(j, i_hi - 1)
+    start = gl.where(j < sink_end, j, band_start + j - sink_end) * BLOCK_N
+    return (start, _tile(K, k_offs, start, offs_kn, j < i_hi, nk, MASKED, False),
+            _tile(V, v_offs, start, offs_vn, j < i_hi, nk, MASKED, MASKED))
+
+
+@gluon.jit
 def _fold(acc, m_i, l_i, q, k, v, cols, rows, rule, qk_scale, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
           HAS_SINK_TOKENS: gl.constexpr, MASKED: gl.constexpr):
     """One tile's update of the rows' state: k, v its FP8 words (:func:`_tile`), cols its keys' indices."""
@@ -153,7 +167,6 @@ def _attend(acc, m_i, l_i, q, rows, i_lo, i_hi, blocks, rule, qk_scale, HAS_LEFT
     load without a mask: a load past the last tile reads the last one again. ``blocks``: (K, V, sink_end,
     band_start), K and V this sequence's and head's first key as int32 words, keys in consecutive rows
     (constant offsets within a tile); ``rule``: (nq, nk, left, right, sink_tokens)."""
-    K, V, sink_end, band_start = blocks
     nk = rule[1]
     D: gl.constexpr = q.shape[1]
     DV: gl.constexpr = acc.shape[1]
@@ -165,29 +178,17 @@ def _attend(acc, m_i, l_i, q, rows, i_lo, i_hi, blocks, rule, qk_scale, HAS_LEFT
     k_offs = offs_kn[:, None] * (D // 4) + gl.arange(0, D // 4, layout=gl.SliceLayout(0, k_layout))[None, :]
     v_offs = offs_vn[:, None] * (DV // 4) + gl.arange(0, DV // 4, layout=gl.SliceLayout(0, v_layout))[None, :]
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-    last = i_hi - 1
-    a = i_lo
-    start_a = gl.where(a < sink_end, a, band_start + a - sink_end) * BLOCK_N
-    k_a = _tile(K, k_offs, start_a, offs_kn, a < i_hi, nk, MASKED, False)  # (BLOCK_N, D / 4) words
-    v_a = _tile(V, v_offs, start_a, offs_vn, a < i_hi, nk, MASKED, MASKED)  # (BLOCK_N, DV / 4) words
-    b = i_lo + 1 if MASKED else gl.minimum(i_lo + 1, last)
-    start_b = gl.where(b < sink_end, b, band_start + b - sink_end) * BLOCK_N
-    k_b = _tile(K, k_offs, start_b, offs_kn, b < i_hi, nk, MASKED, False)
-    v_b = _tile(V, v_offs, start_b, offs_vn, b < i_hi, nk, MASKED, MASKED)
+    offs = (k_offs, offs_kn, v_offs, offs_vn)
+    start_a, k_a, v_a = _tiles(blocks, i_lo, i_hi, offs, nk, MASKED)  # (BLOCK_N, D / 4), (BLOCK_N, DV / 4) words
+    start_b, k_b, v_b = _tiles(blocks, i_lo + 1, i_hi, offs, nk, MASKED)
     for i in range(i_lo, i_hi, 2):
         acc, m_i, l_i = _fold(acc, m_i, l_i, q, k_a, v_a, start_a + offs_n, rows, rule, qk_scale, HAS_LEFT,
                               HAS_RIGHT, HAS_SINK_TOKENS, MASKED)
-        a = i + 2 if MASKED else gl.minimum(i + 2, last)
-        start_a = gl.where(a < sink_end, a, band_start + a - sink_end) * BLOCK_N
-        k_a = _tile(K, k_offs, start_a, offs_kn, a < i_hi, nk, MASKED, False)
-        v_a = _tile(V, v_offs, start_a, offs_vn, a < i_hi, nk, MASKED, MASKED)
+        start_a, k_a, v_a = _tiles(blocks, i + 2, i_hi, offs, nk, MASKED)
         if i + 1 < i_hi:
             acc, m_i, l_i = _fold(acc, m_i, l_i, q, k_b, v_b, start_b + offs_n, rows, rule, qk_scale, HAS_LEFT,
                                   HAS_RIGHT, HAS_SINK_TOKENS, MASKED)
-        b = i + 3 if MASKED else gl.minimum(i + 3, last)
-        start_b = gl.where(b < sink_end, b, band_start + b - sink_end) * BLOCK_N
-        k_b = _tile(K, k_offs, start_b, offs_kn, b < i_hi, nk, MASKED, False)
-        v_b = _tile(V, v_offs, start_b, offs_vn, b < i_hi, nk, MASKED, MASKED)
+        start_b, k_b, v_b = _tiles(blocks, i + 3, i_hi, offs, nk, MASKED)
     return acc, m_i, l_i
 
 
@@ -203,13 +204,7 @@ def _decode(Q, K, V, Seqlens, Sinks, Out, Lse, QDescale, KDescale, VDescale,
     consecutive rows (``stride_k[2]`` = HEAD_DIM, ``stride_v[2]`` = VALUE_DIM); tiles of ``BLOCK_N`` keys."""
     mma: gl.constexpr = _mma_layout()
     q_layout: gl.constexpr = _rows_layout(HEAD_DIM)
-    split = gl.program_id(0)
-    splits = gl.num_programs(0)
-    kv_heads = gl.num_programs(1) // gl.cdiv(group * nq, BLOCK_R)  # axis 1: kv heads fastest, then row tiles
-    hkv = gl.program_id(1) % kv_heads
-    tile = gl.program_id(1) // kv_heads
-    b = gl.program_id(2).to(gl.int64)
-    nk = gl.load(Seqlens + b) + added
+    split, splits, hkv, tile, b, nk = decode_program(Seqlens, added, group, nq, BLOCK_R)
     qk_scale, v_descale = load_descales(QDescale, KDescale, VDescale, b, hkv, stride_ds, qk_scale)
 
     offs_r = tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, q_layout))
@@ -259,12 +254,7 @@ def _decode(Q, K, V, Seqlens, Sinks, Out, Lse, QDescale, KDescale, VDescale,
     out, lse = finish_state(acc, m_i, l_i)  # (BLOCK_R, VALUE_DIM), (BLOCK_R,)
     offs_n = gl.arange(0, VALUE_DIM, layout=gl.SliceLayout(0, mma))
     column = (offs_n % 8) * (VALUE_DIM // 8) + offs_n // 8  # where P V's column n is stored (_value_order)
-    if SPLIT:
-        o_rows = b * stride_o[0] + heads * stride_o[1] + split * stride_o[2] + rows * stride_o[3]
-        lse_rows = b * stride_lse[0] + heads * stride_lse[1] + split * stride_lse[2] + rows
-    else:
-        o_rows = b * stride_o[0] + heads * stride_o[1] + rows * stride_o[2]
-        lse_rows = b * stride_lse[0] + heads * stride_lse[1] + rows
+    o_rows, lse_rows = decode_rows(b, heads, split, rows, stride_o, stride_lse, SPLIT)
     gl.store(Out + o_rows[:, None] + column[None, :], out.to(Out.dtype.element_ty), mask=real[:, None])
     gl.store(Lse + lse_rows, lse, mask=real)
 

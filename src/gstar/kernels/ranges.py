@@ -66,6 +66,29 @@ def tile_rows(offs, h0, row_start, q_start, Nq, ROWS: tl.constexpr):
 
 
 @triton.jit
+def decode_program(Seqlens, added, group, nq, BLOCK_R: tl.constexpr):
+    """Where a decode program works, on its grid ``(splits, Hkv * row_tiles, B)`` (kv heads fastest, then the
+    row tiles of ``BLOCK_R`` of the group's ``group * nq`` stacked rows): ``(split, splits, hkv, tile, b, nk)``,
+    ``b`` int64 and ``nk`` its sequence's keys (Seqlens: (B,) int32, before the ``added`` appended ones)."""
+    kv_heads = tl.num_programs(1) // tl.cdiv(group * nq, BLOCK_R)
+    b = tl.program_id(2).to(tl.int64)
+    return (tl.program_id(0), tl.num_programs(0), tl.program_id(1) % kv_heads, tl.program_id(1) // kv_heads, b,
+            tl.load(Seqlens + b) + added)
+
+
+@triton.jit
+def decode_rows(b, heads, split, rows, stride_o, stride_lse, SPLIT: tl.constexpr):
+    """Offsets of a decode program's rows (query heads ``heads``, queries ``rows``) in its outputs: the finished
+    Out (B, Hq, nq, Dv) and Lse (B, Hq, nq), strides (batch, head, row) and (batch, head), or SPLIT the partials
+    (B, Hq, splits, nq, Dv) and (B, Hq, splits, nq), strides (batch, head, split, row) and (batch, head, split):
+    ``(out_rows, lse_rows)``."""
+    if SPLIT:
+        return (b * stride_o[0] + heads * stride_o[1] + split * stride_o[2] + rows * stride_o[3],
+                b * stride_lse[0] + heads * stride_lse[1] + split * stride_lse[2] + rows)
+    return b * stride_o[0] + heads * stride_o[1] + rows * stride_o[2], b * stride_lse[0] + heads * stride_lse[1] + rows
+
+
+@triton.jit
 def kv_range(row_start, nq, nk, left, right, sink_tokens, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """KV blocks of ``BLOCK_N`` keys that the Q tile of rows ``[row_start, row_start + ROWS)`` visits:
