@@ -251,6 +251,13 @@ def default_splits(programs: int, visible_blocks: int, block_n: int, device: tor
     return max(1, min(max(fill, cdiv(visible_blocks * block_n, SPLIT_KEYS)), MAX_SPLITS))
 
 
+def _visible_blocks(pattern: Pattern, nq: int, block_n: int) -> int:
+    """The blocks of ``block_n`` keys a full cache's queries see (the sink-token blocks and the band); at a
+    shorter length a window's band may straddle one block more."""
+    sink_end, band_start, _, _, band_end = kv_blocks(pattern, 0, nq, block_n)
+    return sink_end + band_end - band_start + (pattern.left >= 0)
+
+
 @functools.lru_cache(maxsize=256)
 def _decode_plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: bool, block_size: int,
                  capacity: int, pattern: Pattern, device: torch.device, precision: str,
@@ -261,8 +268,7 @@ def _decode_plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: boo
     group = Hq // Hkv
     if registers:
         block_n = hopper_decode.BLOCK_N.value
-        sink_end, band_start, _, _, band_end = kv_blocks(pattern, 0, nq, block_n)
-        visible_blocks = sink_end + band_end - band_start + (pattern.left >= 0)
+        visible_blocks = _visible_blocks(pattern, nq, block_n)
         if visible_blocks * block_n >= hopper_decode.MIN_KEYS:
             splits = num_splits or hopper_decode.splits(B * Hkv, visible_blocks, device)
             return _DecodePlan(
@@ -275,10 +281,7 @@ def _decode_plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: boo
     block_r = tile_rows(group * nq, width)
     block_n = block_keys(paged, block_size, width, fp8)
     row_tiles = cdiv(group * nq, block_r)
-    # the blocks a full cache's queries see (the sink-token blocks and the band); at a shorter length a window's
-    # band may straddle one block more
-    sink_end, band_start, _, _, band_end = kv_blocks(pattern, 0, nq, block_n)
-    visible_blocks = sink_end + band_end - band_start + (pattern.left >= 0)
+    visible_blocks = _visible_blocks(pattern, nq, block_n)
     splits = num_splits or default_splits(B * Hkv * row_tiles, visible_blocks, block_n, device)
     major = capability_major(device) if device.type == "cuda" else 0
     stages = 3 if major >= 9 else 2  # Hopper: three tiles in flight
@@ -286,14 +289,14 @@ def _decode_plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: boo
     # eight programs an SM where the compiler's 80 fit six, more block-table lookups in flight
     # (benchmarks/NOTES.md, 'Decoding: loops and registers of the paged kernel')
     capped = major == 9 and paged and not fp8 and block_r <= 16 and width <= 128
-    registers = {"maxnreg": PAGED_REGISTERS} if capped else {}
+    cap = {"maxnreg": PAGED_REGISTERS} if capped else {}
     return _DecodePlan(
         _decode, (splits, Hkv * row_tiles, B), splits,
         constexprs(HEAD_DIM=D, VALUE_DIM=Dv, BLOCK_R=block_r, BLOCK_N=block_n, PAGED=paged, SPLIT=splits > 1,
                    HAS_LEFT=pattern.left >= 0, HAS_RIGHT=pattern.right >= 0,
                    HAS_SINK_TOKENS=pattern.left >= 0 and pattern.sink_tokens > 0, PRECISION=precision,
                    PTX_WIDEN=fp8 and device.type == "cuda" and torch.version.hip is None,
-                   num_warps=4, num_stages=stages, **registers))
+                   num_warps=4, num_stages=stages, **cap))
 
 
 def decode_forward(q, cache, cache_seqlens, added: int, sinks, pattern: Pattern, scale: float,

@@ -263,7 +263,7 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paged: bool, stack
     """Whether a decode call takes this kernel: q (FP8 or 16-bit) on an sm_90 GPU (a verified Triton), a
     contiguous FP8 cache (B, Hkv, N, D) with D = Dv in ``HEAD_DIMS``, its keys in consecutive rows and each
     head's at a 16-byte boundary (the word loads), and at most ``BLOCK_R`` stacked rows (group x queries)."""
-    return (_on_hopper(q) and not paged and k.dtype == FP8 and v.dtype == FP8 and q.dtype != torch.float32
+    return (k.dtype == FP8 and v.dtype == FP8 and not paged and q.dtype != torch.float32 and _on_hopper(q)
             and q.shape[-1] == k.shape[-1] == v.shape[-1] and k.shape[-1] in HEAD_DIMS and stacked <= BLOCK_R.value
             and all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) % 16 == 0
                     and t.stride(2) == t.shape[3] for t in (k, v)))
