@@ -16,12 +16,13 @@ queries), and each ``mma.sync`` operand is loaded in the layout the instruction 
 - P leaves the scores' accumulator in the layout ``P V`` reads (the FlashAttention-2 identity of ``mma.sync``'s
   fragments): no data moves.
 
-Keys and values travel as 32-bit words (four FP8 values each) and widen to float16 in registers, two tiles of
-32 keys in flight a program; the splits fill one wave of programs, twelve an SM (:func:`splits`). The walk over
-visible blocks, the rule and the softmax are the Triton kernels' own (:func:`gstar.kernels.ranges.kv_range`,
-:func:`gstar.kernels.forward.softmax_step`); :func:`gstar.kernels.decode._combine` merges the split partials.
-:func:`serves` says which calls it can take; the plan (:func:`gstar.kernels.decode._decode_plan`) gives it those
-whose queries see ``MIN_KEYS`` keys or more, where it measured faster.
+Keys and values travel as 32-bit words (four FP8 values each) and widen to float16 in registers, two buffers of 32
+keys a program, each loaded again right after its fold; the splits fill one wave of programs, twelve an SM
+(:func:`splits`). The walk over visible blocks, the rule and the softmax are the Triton kernels' own
+(:func:`gstar.kernels.ranges.kv_range`, :func:`gstar.kernels.forward.softmax_step`);
+:func:`gstar.kernels.decode._combine` merges the split partials. :func:`serves` says which calls it can take; the
+plan (:func:`gstar.kernels.decode._decode_plan`) gives it those whose queries see ``MIN_KEYS`` keys or more, where
+it measured faster.
 """
 
 from __future__ import annotations
