@@ -93,18 +93,18 @@ def _run(q, k8, v8, lengths, descales, pattern, sinks, num_splits, kernel, monke
     Gluon kernel refused), and the kernels it launched."""
     launched = []
     real = decode.launch
-    monkeypatch.setattr(decode, "launch", lambda fn, *a: launched.append(fn) or real(fn, *a))
-    monkeypatch.setattr(hopper_decode, "MIN_KEYS", 0)
-    if kernel == "triton":
-        monkeypatch.setattr(hopper_decode, "serves", lambda *a: False)
-    decode._decode_plan.cache_clear()
-    try:
-        with torch.no_grad():
-            out = gstar.flash_attention_with_kvcache(q, k8, v8, cache_seqlens=lengths, sinks=sinks,
-                                                     num_splits=num_splits, **descales, **pattern)
-    finally:
-        monkeypatch.undo()
-        decode._decode_plan.cache_clear()
+    with monkeypatch.context() as m:
+        m.setattr(decode, "launch", lambda fn, *a: launched.append(fn) or real(fn, *a))
+        m.setattr(hopper_decode, "MIN_KEYS", 0)
+        if kernel == "triton":
+            m.setattr(hopper_decode, "serves", lambda *a: False)
+        decode._decode_plan.cache_clear()  # plans made under other settings, and none left for later tests
+        try:
+            with torch.no_grad():
+                out = gstar.flash_attention_with_kvcache(q, k8, v8, cache_seqlens=lengths, sinks=sinks,
+                                                         num_splits=num_splits, **descales, **pattern)
+        finally:
+            decode._decode_plan.cache_clear()
     return out, launched
 
 

@@ -35,10 +35,9 @@ from . import hopper_decode
 from .configs import capability_major, dot_precision, pad_head_dim
 from .forward import descale_args, finish_state, load_descales, softmax_step, start_state
 from .launch import constexprs, launch
-from .ranges import decode_program, decode_rows, kv_range
+from .ranges import ALL_ROWS, decode_program, decode_rows, kv_range
 from .widen import half_queries
 
-_ALL_ROWS = tl.constexpr(2**30)  # kv_range's tile height: the union of every query row's keys
 MAX_TILE_ROWS = 128  # stacked rows (group x queries) a program holds; more take further row tiles
 MAX_SPLITS = 64
 SPLIT_KEYS = 2048  # keys one split walks at most (while MAX_SPLITS allows): 32 tiles of 64
@@ -150,7 +149,7 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, QDescale, KDescale, V
     else:
         acc, m_i, l_i = start_state(Sinks, heads, VALUE_DIM)
 
-    sink_end, band_start, full_start, full_end, band_end = kv_range(0, nq, nk, left, right, sink_tokens, _ALL_ROWS,
+    sink_end, band_start, full_start, full_end, band_end = kv_range(0, nq, nk, left, right, sink_tokens, ALL_ROWS,
                                                                     BLOCK_N, HAS_LEFT, HAS_RIGHT)
     count = sink_end + band_end - band_start  # the i-th visible block: [0, sink_end), then [band_start, band_end)
     per = tl.cdiv(count, splits)

@@ -36,8 +36,8 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from ..fp8 import FP8
 from ..pattern import cdiv
 from .forward import finish_state, load_descales, softmax_step
-from .hopper import _on_hopper
-from .ranges import decode_program, decode_rows, kv_range
+from .hopper import LOG2E, _on_hopper
+from .ranges import ALL_ROWS, decode_program, decode_rows, kv_range
 from .widen import half_queries
 
 BLOCK_R = gl.constexpr(16)  # stacked rows a program holds: mma.sync's M
@@ -49,8 +49,6 @@ HEAD_DIMS = (64,)  # D = Dv served (at 128 the kernel spills)
 MIN_KEYS = 16384
 REGISTERS = 168  # a thread's, the compiler's own count at D 64: twelve one-warp programs an SM (65,536 each)
 MAX_SPLITS = 256
-_ALL_ROWS = gl.constexpr(2**30)  # kv_range's tile height: the union of every query row's keys
-_LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @constexpr_function
@@ -227,10 +225,10 @@ def _decode(Q, K, V, Seqlens, Sinks, Out, Lse, QDescale, KDescale, VDescale,
         m_i = gl.full([BLOCK_R], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
         l_i = gl.zeros([BLOCK_R], gl.float32, gl.SliceLayout(1, mma))
     else:
-        m_i = gl.load(Sinks + heads) * _LOG2E
+        m_i = gl.load(Sinks + heads) * LOG2E
         l_i = gl.full([BLOCK_R], 1.0, gl.float32, gl.SliceLayout(1, mma))
 
-    sink_end, band_start, full_start, full_end, band_end = kv_range(0, nq, nk, left, right, sink_tokens, _ALL_ROWS,
+    sink_end, band_start, full_start, full_end, band_end = kv_range(0, nq, nk, left, right, sink_tokens, ALL_ROWS,
                                                                     BLOCK_N, HAS_LEFT, HAS_RIGHT)
     count = sink_end + band_end - band_start  # the i-th visible block: [0, sink_end), then [band_start, band_end)
     per = gl.cdiv(count, splits)

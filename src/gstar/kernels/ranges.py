@@ -65,6 +65,9 @@ def tile_rows(offs, h0, row_start, q_start, Nq, ROWS: tl.constexpr):
     return heads, rows, rows < Nq, q_start + rows
 
 
+ALL_ROWS = tl.constexpr(2**30)  # kv_range's tile height for a decode program: the union of every query row's keys
+
+
 @triton.jit
 def decode_program(Seqlens, added, group, nq, BLOCK_R: tl.constexpr):
     """Where a decode program works, on its grid ``(splits, Hkv * row_tiles, B)`` (kv heads fastest, then the
