@@ -45,14 +45,14 @@ def test_not_served_off_the_gpu():
     assert not hopper_decode.serves(torch.zeros(1, 8, 1, 64, dtype=torch.bfloat16), k, k, False, 8)
 
 
-def _plan(monkeypatch, capacity, window=(-1, -1), B=1, num_splits=None):
+def _plan(monkeypatch, capacity, window=(-1, -1), B=1, num_splits=None, major=9, registers=True):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {
         "multi_processor_count": 132})())
-    monkeypatch.setattr(decode, "capability_major", lambda device: 9)
+    monkeypatch.setattr(decode, "capability_major", lambda device: major)
     return decode._decode_plan.__wrapped__(
         B=B, Hq=64, Hkv=8, nq=1, D=64, Dv=64, paged=False, block_size=0, capacity=capacity,
         pattern=Pattern.make(1, capacity, causal=True, window=window), device=torch.device("cuda"),
-        precision="tf32", num_splits=num_splits, fp8=True, registers=True)
+        precision="tf32", num_splits=num_splits, fp8=True, registers=registers)
 
 
 @pytest.mark.parametrize("capacity, window, B, kernel, splits", [
@@ -69,6 +69,18 @@ def test_plan_takes_the_kernel_from_min_keys(monkeypatch, capacity, window, B, k
     if splits is not None:
         assert plan.splits == splits and plan.grid == (splits, 8, B)
         assert dict(plan.options)["num_warps"] == 1
+
+
+@pytest.mark.parametrize("major, registers, early", [(9, True, True), (9, False, True), (8, False, False)])
+def test_plan_launches_the_combine_early_from_sm90(monkeypatch, major, registers, early):
+    """From sm_90 the combine is a programmatic dependent of the decode kernel (launch_pdl, and its programs
+    wait for the decode kernel's writes); before, an ordinary launch with no wait compiled in."""
+    plan = _plan(monkeypatch, 131072, major=major, registers=registers)
+    assert plan.splits > 1 and (plan.kernel is hopper_decode._decode) == registers
+    combine = dict(plan.combine)
+    assert combine["PDL"] is early and combine["launch_pdl"] is early
+    if plan.kernel is decode._decode:  # Triton's kernel lets the combine launch only where it is early
+        assert dict(plan.options)["PDL"] is early
 
 
 def test_plan_keeps_num_splits(monkeypatch):
@@ -138,6 +150,62 @@ def test_gpu_both_kernels_within_bar(pattern_id, q_fp8, nq, num_splits, monkeypa
         k_b, v_b = _dequantized(k8[b:b + 1, :, :n], kd[b:b + 1]), _dequantized(v8[b:b + 1, :, :n], vd[b:b + 1])
         ref, _ = gstar.naive_attention(q_b, k_b, v_b, sinks=None if sinks is None else sinks.double(), **pattern)
         pt, _ = gstar.naive_attention(*(t.bfloat16() for t in (q_b, k_b, v_b)), sinks=sinks, **pattern)
+        for kernel, out in outs.items():
+            check = verdict(f"{kernel} sequence {b}", out[b:b + 1], ref, pt)
+            assert check.ok, check
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("q_fp8", [True, False], ids=["fp8-queries", "bf16-queries"])
+def test_gpu_appended_keys_through_both_kernels(q_fp8, monkeypatch):
+    """Keys and values appended by the call (``k=``, ``v=``) are attended to by both kernels: the queries sit
+    after each sequence's cached keys, the cache holds the new rows afterwards."""
+    g = torch.Generator().manual_seed(8)
+    B, Hq, Hkv, D, capacity, nq = 2, 16, 2, 64, 2500, 3
+    lengths = torch.tensor([5, 2001], dtype=torch.int32, device="cuda")
+    k8, kd = gstar.quantize_fp8(torch.randn(B, Hkv, capacity, D, generator=g).cuda())
+    v8, vd = gstar.quantize_fp8(torch.randn(B, Hkv, capacity, D, generator=g).cuda())
+    k_new = (torch.randn(B, Hkv, nq, D, generator=g).cuda() / kd[:, :, None, None]).clamp(-448, 448).to(F8)
+    v_new = (torch.randn(B, Hkv, nq, D, generator=g).cuda() / vd[:, :, None, None]).clamp(-448, 448).to(F8)
+    q = torch.randn(B, Hq, nq, D, generator=g).cuda()
+    qd = None
+    if q_fp8:
+        q, qd = gstar.quantize_fp8(q, kv_heads=Hkv)
+    else:
+        q = q.bfloat16()
+    sinks = torch.randn(Hq, generator=g).cuda()
+    outs = {}
+    for kernel in ("gluon", "triton"):
+        k_cache, v_cache = k8.clone(), v8.clone()
+        launched = []
+        real = decode.launch
+        with monkeypatch.context() as m:
+            m.setattr(decode, "launch", lambda fn, *a: launched.append(fn) or real(fn, *a))
+            m.setattr(hopper_decode, "MIN_KEYS", 0)
+            if kernel == "triton":
+                m.setattr(hopper_decode, "serves", lambda *a: False)
+            decode._decode_plan.cache_clear()
+            try:
+                with torch.no_grad():
+                    outs[kernel] = gstar.flash_attention_with_kvcache(
+                        q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lengths, sinks=sinks, q_descale=qd,
+                        k_descale=kd, v_descale=vd)
+            finally:
+                decode._decode_plan.cache_clear()
+        assert (hopper_decode._decode in launched) == (kernel == "gluon"), launched
+        for b in range(B):
+            n = int(lengths[b])
+            assert torch.equal(k_cache[b, :, n:n + nq].view(torch.uint8), k_new[b].view(torch.uint8))
+            assert torch.equal(v_cache[b, :, n:n + nq].view(torch.uint8), v_new[b].view(torch.uint8))
+    for b in range(B):
+        n = int(lengths[b]) + nq
+        keys = torch.cat([k8[b:b + 1, :, :n - nq], k_new[b:b + 1]], dim=2)
+        values = torch.cat([v8[b:b + 1, :, :n - nq], v_new[b:b + 1]], dim=2)
+        q_b = _dequantized(q[b:b + 1], qd[b:b + 1], Hq // Hkv) if q_fp8 else q[b:b + 1].double()
+        k_b, v_b = _dequantized(keys, kd[b:b + 1]), _dequantized(values, vd[b:b + 1])
+        ref, _ = gstar.naive_attention(q_b, k_b, v_b, sinks=sinks.double(), causal=True)
+        pt, _ = gstar.naive_attention(*(t.bfloat16() for t in (q_b, k_b, v_b)), sinks=sinks, causal=True)
         for kernel, out in outs.items():
             check = verdict(f"{kernel} sequence {b}", out[b:b + 1], ref, pt)
             assert check.ok, check

@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..pattern import Pattern, cdiv, kv_blocks
 from . import hopper_decode
@@ -114,7 +115,7 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, QDescale, KDescale, V
             nq, group, added, left, right, sink_tokens, page_size, qk_scale, stride_ds,
             HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
             PAGED: tl.constexpr, SPLIT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-            HAS_SINK_TOKENS: tl.constexpr, PRECISION: tl.constexpr, PTX_WIDEN: tl.constexpr):
+            HAS_SINK_TOKENS: tl.constexpr, PRECISION: tl.constexpr, PTX_WIDEN: tl.constexpr, PDL: tl.constexpr):
     """Q: (B, Hq, nq, HEAD_DIM); K, V: contiguous (B, Hkv, Nmax, HEAD_DIM / VALUE_DIM) or, with PAGED, (pages,
     page_size, Hkv, ...) read through BlockTable (B, max_blocks) int32; Seqlens: (B,) int32, a sequence's keys
     before the ``added`` appended ones; Sinks: None or (Hq,) float32 (used when not SPLIT).
@@ -125,6 +126,7 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, QDescale, KDescale, V
     qk_scale = scale * log2(e) > 0. An FP8 cache (float8_e4m3fn K, V; Q FP8 too, or 16-bit and its keys
     widened to Q's dtype): QDescale, KDescale, VDescale and ``stride_ds`` the descales as
     :func:`gstar.kernels.forward.load_descales` takes them, else None; PTX_WIDEN as :func:`_widen_values` takes it.
+    PDL: :func:`_combine` may launch once every program has walked its keys (programmatic dependent launch).
     """
     D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
     DV_PAD: tl.constexpr = pad_head_dim(VALUE_DIM)
@@ -176,6 +178,8 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, QDescale, KDescale, V
                                     HEAD_DIM, VALUE_DIM, BLOCK_N, PAGED, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
                                     PRECISION, PTX_WIDEN, True)
 
+    if PDL:  # the combine may launch now (_early_combine): this program's walk is done
+        gdc_launch_dependents()
     if VDescale is not None:  # v's descale: one multiply of the finished rows (a split's partial alike)
         acc = acc * v_descale
     out, lse = finish_state(acc, m_i, l_i)  # (BLOCK_R, DV_PAD), (BLOCK_R,)
@@ -187,10 +191,13 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, QDescale, KDescale, V
 
 @triton.jit
 def _combine(Part, PartLse, Sinks, Out, Lse, stride_p, stride_pl, stride_o, stride_lse, splits,
-             VALUE_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
+             VALUE_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
     """Grid (nq, Hq, B): row ``(b, h, i)`` from its ``splits`` partials (Part: (B, Hq, splits, nq, VALUE_DIM),
     PartLse: (B, Hq, splits, nq), float32), the learned sink (Sinks: None or (Hq,) float32) added once:
-    ``lse = log(sum_s exp(lse_s) + exp(sink))``, ``out = sum_s exp(lse_s - lse) out_s``."""
+    ``lse = log(sum_s exp(lse_s) + exp(sink))``, ``out = sum_s exp(lse_s - lse) out_s``. PDL: launched as a programmatic
+    dependent of the decode kernel (:func:`_decode_plan`), its programs wait here for that kernel's writes."""
+    if PDL:
+        gdc_wait()
     i = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -222,6 +229,7 @@ class _DecodePlan(NamedTuple):
     grid: tuple[int, int, int]
     splits: int
     options: tuple
+    combine: tuple  # _combine's constexprs (splits > 1)
 
 
 def block_keys(paged: bool, block_size: int, width: int, fp8: bool) -> int:
@@ -257,14 +265,27 @@ def _visible_blocks(pattern: Pattern, nq: int, block_n: int) -> int:
     return sink_end + band_end - band_start + (pattern.left >= 0)
 
 
+def _early_combine(device: torch.device) -> bool:
+    """Whether :func:`_combine` launches as a programmatic dependent of the decode kernel (CUDA, sm_90 and
+    newer): its launch and its programs' start then overlap the decode kernel's last programs instead of
+    following them."""
+    return device.type == "cuda" and torch.version.hip is None and capability_major(device) >= 9
+
+
 @functools.lru_cache(maxsize=256)
 def _decode_plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: bool, block_size: int,
                  capacity: int, pattern: Pattern, device: torch.device, precision: str,
                  num_splits: int | None, fp8: bool, registers: bool) -> _DecodePlan:
     """The launch of a decode step: Triton's kernel, or the Gluon one (one warp a program) where it serves the
     call (``registers``: :func:`gstar.kernels.hopper_decode.serves`) and the queries see at least
-    ``hopper_decode.MIN_KEYS`` keys of a full cache."""
+    ``hopper_decode.MIN_KEYS`` keys of a full cache; then, with splits, :func:`_combine`."""
     group = Hq // Hkv
+    pdl = _early_combine(device)
+
+    def combine(splits):
+        return constexprs(VALUE_DIM=Dv, SPLITS_PAD=triton.next_power_of_2(splits), PDL=pdl, num_warps=4,
+                          launch_pdl=pdl)
+
     if registers:
         block_n = hopper_decode.BLOCK_N.value
         visible_blocks = _visible_blocks(pattern, nq, block_n)
@@ -275,7 +296,7 @@ def _decode_plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: boo
                 constexprs(HEAD_DIM=D, VALUE_DIM=Dv, SPLIT=splits > 1, HAS_LEFT=pattern.left >= 0,
                            HAS_RIGHT=pattern.right >= 0,
                            HAS_SINK_TOKENS=pattern.left >= 0 and pattern.sink_tokens > 0, num_warps=1,
-                           maxnreg=hopper_decode.REGISTERS))
+                           maxnreg=hopper_decode.REGISTERS), combine(splits))
     width = pad_head_dim(D) + pad_head_dim(Dv)
     block_r = tile_rows(group * nq, width)
     block_n = block_keys(paged, block_size, width, fp8)
@@ -294,8 +315,8 @@ def _decode_plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: boo
         constexprs(HEAD_DIM=D, VALUE_DIM=Dv, BLOCK_R=block_r, BLOCK_N=block_n, PAGED=paged, SPLIT=splits > 1,
                    HAS_LEFT=pattern.left >= 0, HAS_RIGHT=pattern.right >= 0,
                    HAS_SINK_TOKENS=pattern.left >= 0 and pattern.sink_tokens > 0, PRECISION=precision,
-                   PTX_WIDEN=fp8 and device.type == "cuda" and torch.version.hip is None,
-                   num_warps=4, num_stages=stages, **cap))
+                   PTX_WIDEN=fp8 and device.type == "cuda" and torch.version.hip is None, PDL=pdl,
+                   num_warps=4, num_stages=stages, **cap), combine(splits))
 
 
 def decode_forward(q, cache, cache_seqlens, added: int, sinks, pattern: Pattern, scale: float,
@@ -343,5 +364,5 @@ def decode_forward(q, cache, cache_seqlens, added: int, sinks, pattern: Pattern,
     if plan.splits > 1:
         launch(_combine, (nq, Hq, B), (target, target_lse, sinks, out, lse),
                (outputs[0], outputs[1], tuple(out.stride()[:3]), tuple(lse.stride()[:2]), plan.splits),
-               constexprs(VALUE_DIM=Dv, SPLITS_PAD=triton.next_power_of_2(plan.splits), num_warps=4))
+               plan.combine)
     return out, lse

@@ -32,6 +32,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import constexpr_function
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from ..fp8 import FP8
 from ..pattern import cdiv
@@ -248,6 +249,7 @@ def _decode(Q, K, V, Seqlens, Sinks, Out, Lse, QDescale, KDescale, VDescale,
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, rows, gl.maximum(lo, whole_end), hi, blocks, rule, qk_scale,
                                 HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True)
 
+    gdc_launch_dependents()  # the combine may launch now (decode._early_combine): this program's walk is done
     if VDescale is not None:  # v's descale: one multiply of the finished rows (a split's partial alike)
         acc = acc * v_descale
     out, lse = finish_state(acc, m_i, l_i)  # (BLOCK_R, VALUE_DIM), (BLOCK_R,)
