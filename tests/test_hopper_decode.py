@@ -100,9 +100,15 @@ def _dequantized(x8, descale, group=1):
     return x8.double() * descale.double().repeat_interleave(group, dim=1)[:, :, None, None]
 
 
-def _run(q, k8, v8, lengths, descales, pattern, sinks, num_splits, kernel, monkeypatch):
+def _queries(q, q_fp8, Hkv):
+    """q (float32) as the call takes it, FP8 with its (B, Hkv) descale or bfloat16 with None."""
+    return gstar.quantize_fp8(q, kv_heads=Hkv) if q_fp8 else (q.bfloat16(), None)
+
+
+def _run(q, k8, v8, lengths, descales, pattern, sinks, num_splits, kernel, monkeypatch, **appended):
     """The call's output through ``kernel`` ("gluon": every cache length, MIN_KEYS set to 0; "triton": the
-    Gluon kernel refused), and the kernels it launched."""
+    Gluon kernel refused), and the kernels it launched. ``appended``: the keys and values the call appends
+    (``k=``, ``v=``), if any."""
     launched = []
     real = decode.launch
     with monkeypatch.context() as m:
@@ -114,7 +120,7 @@ def _run(q, k8, v8, lengths, descales, pattern, sinks, num_splits, kernel, monke
         try:
             with torch.no_grad():
                 out = gstar.flash_attention_with_kvcache(q, k8, v8, cache_seqlens=lengths, sinks=sinks,
-                                                         num_splits=num_splits, **descales, **pattern)
+                                                         num_splits=num_splits, **descales, **pattern, **appended)
         finally:
             decode._decode_plan.cache_clear()
     return out, launched
@@ -131,12 +137,7 @@ def test_gpu_both_kernels_within_bar(pattern_id, q_fp8, nq, num_splits, monkeypa
     lengths = torch.tensor([nq, 777, capacity], dtype=torch.int32, device="cuda")
     k8, kd = gstar.quantize_fp8(torch.randn(B, Hkv, capacity, D, generator=g).cuda())
     v8, vd = gstar.quantize_fp8(torch.randn(B, Hkv, capacity, D, generator=g).cuda())
-    q = torch.randn(B, Hq, nq, D, generator=g).cuda()
-    qd = None
-    if q_fp8:
-        q, qd = gstar.quantize_fp8(q, kv_heads=Hkv)
-    else:
-        q = q.bfloat16()
+    q, qd = _queries(torch.randn(B, Hq, nq, D, generator=g).cuda(), q_fp8, Hkv)
     pattern, learned = PATTERNS[pattern_id]
     sinks = (torch.randn(Hq, generator=g) * 2).cuda() if learned else None
     descales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
@@ -168,31 +169,14 @@ def test_gpu_appended_keys_through_both_kernels(q_fp8, monkeypatch):
     v8, vd = gstar.quantize_fp8(torch.randn(B, Hkv, capacity, D, generator=g).cuda())
     k_new = (torch.randn(B, Hkv, nq, D, generator=g).cuda() / kd[:, :, None, None]).clamp(-448, 448).to(F8)
     v_new = (torch.randn(B, Hkv, nq, D, generator=g).cuda() / vd[:, :, None, None]).clamp(-448, 448).to(F8)
-    q = torch.randn(B, Hq, nq, D, generator=g).cuda()
-    qd = None
-    if q_fp8:
-        q, qd = gstar.quantize_fp8(q, kv_heads=Hkv)
-    else:
-        q = q.bfloat16()
+    q, qd = _queries(torch.randn(B, Hq, nq, D, generator=g).cuda(), q_fp8, Hkv)
     sinks = torch.randn(Hq, generator=g).cuda()
+    descales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
     outs = {}
     for kernel in ("gluon", "triton"):
         k_cache, v_cache = k8.clone(), v8.clone()
-        launched = []
-        real = decode.launch
-        with monkeypatch.context() as m:
-            m.setattr(decode, "launch", lambda fn, *a: launched.append(fn) or real(fn, *a))
-            m.setattr(hopper_decode, "MIN_KEYS", 0)
-            if kernel == "triton":
-                m.setattr(hopper_decode, "serves", lambda *a: False)
-            decode._decode_plan.cache_clear()
-            try:
-                with torch.no_grad():
-                    outs[kernel] = gstar.flash_attention_with_kvcache(
-                        q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lengths, sinks=sinks, q_descale=qd,
-                        k_descale=kd, v_descale=vd)
-            finally:
-                decode._decode_plan.cache_clear()
+        outs[kernel], launched = _run(q, k_cache, v_cache, lengths, descales, dict(causal=True), sinks, None, kernel,
+                                      monkeypatch, k=k_new, v=v_new)
         assert (hopper_decode._decode in launched) == (kernel == "gluon"), launched
         for b in range(B):
             n = int(lengths[b])

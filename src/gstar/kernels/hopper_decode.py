@@ -200,8 +200,10 @@ def _decode(Q, K, V, Seqlens, Sinks, Out, Lse, QDescale, KDescale, VDescale,
             HEAD_DIM: gl.constexpr, VALUE_DIM: gl.constexpr, SPLIT: gl.constexpr, HAS_LEFT: gl.constexpr,
             HAS_RIGHT: gl.constexpr, HAS_SINK_TOKENS: gl.constexpr):
     """Grid ``(splits, Hkv * row_tiles, B)`` as Triton's (the plan gives one row tile: ``group * nq <= BLOCK_R``),
-    one warp a program; arguments as :func:`gstar.kernels.decode._decode`'s for a contiguous FP8 cache (no block table) whose keys are
-    consecutive rows (``stride_k[2]`` = HEAD_DIM, ``stride_v[2]`` = VALUE_DIM); tiles of ``BLOCK_N`` keys."""
+    one warp a program; arguments as :func:`gstar.kernels.decode._decode`'s for a contiguous FP8 cache (no block
+    table) whose keys are consecutive rows (``stride_k[2]`` = HEAD_DIM, ``stride_v[2]`` = VALUE_DIM); tiles of
+    ``BLOCK_N`` keys. After its walk each program lets the combine launch (:func:`gstar.kernels.decode._combine`,
+    a programmatic dependent launch)."""
     mma: gl.constexpr = _mma_layout()
     q_layout: gl.constexpr = _rows_layout(HEAD_DIM)
     split, splits, hkv, tile, b, nk = decode_program(Seqlens, added, group, nq, BLOCK_R)
