@@ -28,13 +28,18 @@ def _meta(*shape, dtype=F8):
     (F8, "contiguous", 128, 8, False, False),              # head dim 128 spills
     (F8, "bf16", 64, 8, False, False),                     # a 16-bit cache
     (F8, "heads-inner", 64, 8, False, False),              # keys not in consecutive rows
-    (F8, "contiguous", 64, 8, True, False),                # paged
+    (F8, "paged 64", 64, 8, True, True),                   # pages of whole tiles
+    (F8, "paged 16", 64, 8, True, False),                  # a tile would straddle pages
+    (F8, "paged, heads apart", 64, 8, True, False),        # a page's rows not consecutive
 ])
 def test_serves(monkeypatch, q_dtype, cache, dim, stacked, paged, expected):
     monkeypatch.setattr(hopper_decode, "_on_hopper", lambda q: True)
     q = _meta(2, 16, 1, dim, dtype=q_dtype)
     if cache == "heads-inner":  # (B, N, Hkv, D) seen as (B, Hkv, N, D)
         k = v = _meta(2, 1000, 2, dim).transpose(1, 2)
+    elif cache.startswith("paged"):  # (pages, page, Hkv, D)
+        k = v = (_meta(30, 2, 64, dim).transpose(1, 2) if "apart" in cache
+                 else _meta(30, int(cache.split()[1]), 2, dim))
     else:
         k = v = _meta(2, 2, 1000, dim, dtype=torch.bfloat16 if cache == "bf16" else F8)
     assert hopper_decode.serves(q, k, v, paged, stacked) is expected
@@ -45,12 +50,12 @@ def test_not_served_off_the_gpu():
     assert not hopper_decode.serves(torch.zeros(1, 8, 1, 64, dtype=torch.bfloat16), k, k, False, 8)
 
 
-def _plan(monkeypatch, capacity, window=(-1, -1), B=1, num_splits=None, major=9, registers=True):
+def _plan(monkeypatch, capacity, window=(-1, -1), B=1, num_splits=None, major=9, registers=True, page=0):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {
         "multi_processor_count": 132})())
     monkeypatch.setattr(decode, "capability_major", lambda device: major)
     return decode._decode_plan.__wrapped__(
-        B=B, Hq=64, Hkv=8, nq=1, D=64, Dv=64, paged=False, block_size=0, capacity=capacity,
+        B=B, Hq=64, Hkv=8, nq=1, D=64, Dv=64, paged=page > 0, block_size=page, capacity=capacity,
         pattern=Pattern.make(1, capacity, causal=True, window=window), device=torch.device("cuda"),
         precision="tf32", num_splits=num_splits, fp8=True, registers=registers)
 
@@ -83,6 +88,14 @@ def test_plan_launches_the_combine_early_from_sm90(monkeypatch, major, registers
         assert dict(plan.options)["PDL"] is early
 
 
+@pytest.mark.parametrize("page, key_words", [(0, 64 // 4), (64, 8 * 64 // 4), (256, 8 * 64 // 4)])
+def test_plan_walks_contiguous_and_paged_caches(monkeypatch, page, key_words):
+    """The Gluon kernel's key rows lie D bytes apart in a contiguous cache, Hkv D in a paged one (a page's rows
+    hold every head); PAGE is the page size, 0 for a contiguous cache."""
+    options = dict(_plan(monkeypatch, 131072, page=page).options)
+    assert options["KEY_WORDS"] == key_words and options["PAGE"] == page
+
+
 def test_plan_keeps_num_splits(monkeypatch):
     plan = _plan(monkeypatch, 65536, num_splits=7)
     assert plan.kernel is hopper_decode._decode and plan.splits == 7
@@ -100,15 +113,25 @@ def _dequantized(x8, descale, group=1):
     return x8.double() * descale.double().repeat_interleave(group, dim=1)[:, :, None, None]
 
 
+def _paged(x, page, order):
+    """Contiguous x (B, Hkv, N, D) as pages (B N / page, page, Hkv, D): block j of sequence b in page
+    ``order[b * N / page + j]``."""
+    B, Hkv, N, D = x.shape
+    blocks = x.permute(0, 2, 1, 3).reshape(B * N // page, page, Hkv, D)
+    pages = blocks.new_empty(blocks.shape)  # contiguous pages, whatever the view above
+    pages[order] = blocks
+    return pages
+
+
 def _queries(q, q_fp8, Hkv):
     """q (float32) as the call takes it, FP8 with its (B, Hkv) descale or bfloat16 with None."""
     return gstar.quantize_fp8(q, kv_heads=Hkv) if q_fp8 else (q.bfloat16(), None)
 
 
-def _run(q, k8, v8, lengths, descales, pattern, sinks, num_splits, kernel, monkeypatch, **appended):
+def _run(q, k8, v8, lengths, descales, pattern, sinks, num_splits, kernel, monkeypatch, **extra):
     """The call's output through ``kernel`` ("gluon": every cache length, MIN_KEYS set to 0; "triton": the
-    Gluon kernel refused), and the kernels it launched. ``appended``: the keys and values the call appends
-    (``k=``, ``v=``), if any."""
+    Gluon kernel refused), and the kernels it launched. ``extra``: more keywords of the call (the keys and
+    values it appends, a block table)."""
     launched = []
     real = decode.launch
     with monkeypatch.context() as m:
@@ -120,7 +143,7 @@ def _run(q, k8, v8, lengths, descales, pattern, sinks, num_splits, kernel, monke
         try:
             with torch.no_grad():
                 out = gstar.flash_attention_with_kvcache(q, k8, v8, cache_seqlens=lengths, sinks=sinks,
-                                                         num_splits=num_splits, **descales, **pattern, **appended)
+                                                         num_splits=num_splits, **descales, **pattern, **extra)
         finally:
             decode._decode_plan.cache_clear()
     return out, launched
@@ -131,19 +154,26 @@ def _run(q, k8, v8, lengths, descales, pattern, sinks, num_splits, kernel, monke
 @pytest.mark.parametrize("pattern_id", list(PATTERNS))
 @pytest.mark.parametrize("q_fp8", [True, False], ids=["fp8-queries", "bf16-queries"])
 @pytest.mark.parametrize("nq, num_splits", [(1, None), (2, 3), (1, 1)])
-def test_gpu_both_kernels_within_bar(pattern_id, q_fp8, nq, num_splits, monkeypatch):
+@pytest.mark.parametrize("page", [0, 64], ids=["contiguous", "paged-64"])
+def test_gpu_both_kernels_within_bar(pattern_id, q_fp8, nq, num_splits, page, monkeypatch):
     g = torch.Generator().manual_seed(6)
-    B, Hq, Hkv, D, capacity = 3, 16, 2, 64, 3001
-    lengths = torch.tensor([nq, 777, capacity], dtype=torch.int32, device="cuda")
+    B, Hq, Hkv, D, capacity = 3, 16, 2, 64, 3008 if page else 3001
+    lengths = torch.tensor([nq, 777, 3001], dtype=torch.int32, device="cuda")
     k8, kd = gstar.quantize_fp8(torch.randn(B, Hkv, capacity, D, generator=g).cuda())
     v8, vd = gstar.quantize_fp8(torch.randn(B, Hkv, capacity, D, generator=g).cuda())
     q, qd = _queries(torch.randn(B, Hq, nq, D, generator=g).cuda(), q_fp8, Hkv)
     pattern, learned = PATTERNS[pattern_id]
     sinks = (torch.randn(Hq, generator=g) * 2).cuda() if learned else None
     descales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    k_cache, v_cache, paged = k8, v8, {}
+    if page:  # the same keys in shuffled pages
+        order = torch.randperm(B * capacity // page, generator=g).cuda()
+        k_cache, v_cache = _paged(k8, page, order), _paged(v8, page, order)
+        paged = dict(block_table=order.view(B, -1).int())
     outs = {}
     for kernel in ("gluon", "triton"):
-        outs[kernel], launched = _run(q, k8, v8, lengths, descales, pattern, sinks, num_splits, kernel, monkeypatch)
+        outs[kernel], launched = _run(q, k_cache, v_cache, lengths, descales, pattern, sinks, num_splits, kernel,
+                                      monkeypatch, **paged)
         assert (hopper_decode._decode in launched) == (kernel == "gluon"), launched
     for b in range(B):
         n = int(lengths[b])

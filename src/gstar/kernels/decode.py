@@ -295,7 +295,8 @@ def _decode_plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: boo
                 hopper_decode._decode, (splits, Hkv, B), splits,
                 constexprs(HEAD_DIM=D, VALUE_DIM=Dv, SPLIT=splits > 1, HAS_LEFT=pattern.left >= 0,
                            HAS_RIGHT=pattern.right >= 0,
-                           HAS_SINK_TOKENS=pattern.left >= 0 and pattern.sink_tokens > 0, num_warps=1,
+                           HAS_SINK_TOKENS=pattern.left >= 0 and pattern.sink_tokens > 0,
+                           KEY_WORDS=(Hkv * D if paged else D) // 4, PAGE=block_size if paged else 0, num_warps=1,
                            maxnreg=hopper_decode.REGISTERS), combine(splits))
     width = pad_head_dim(D) + pad_head_dim(Dv)
     block_r = tile_rows(group * nq, width)
@@ -352,15 +353,16 @@ def decode_forward(q, cache, cache_seqlens, added: int, sinks, pattern: Pattern,
     outputs = (tuple(target.stride()[:target.dim() - 1]), tuple(target_lse.stride()[:target_lse.dim() - 1]))
     bounds = (nq, Hq // Hkv, added, pattern.left, pattern.right, pattern.sink_tokens)
     qk_scale = scale * math.log2(math.e)
-    if plan.kernel is hopper_decode._decode:
-        launch(plan.kernel, plan.grid, (q_in, k, v, cache_seqlens, kernel_sinks, target, target_lse, *descales),
-               (*strides, *outputs, *bounds, qk_scale, descale_strides), plan.options)
+    table = cache.block_table
+    tensors = (q_in, k, v, table, cache_seqlens, kernel_sinks, target, target_lse, *descales)
+    table_stride = table.stride(0) if cache.paged else 0
+    if plan.kernel is hopper_decode._decode:  # its page size is a constexpr
+        launch(plan.kernel, plan.grid, tensors, (*strides, table_stride, *outputs, *bounds, qk_scale, descale_strides),
+               plan.options)
     else:
-        table = cache.block_table
-        launch(plan.kernel, plan.grid,
-               (q_in, k, v, table, cache_seqlens, kernel_sinks, target, target_lse, *descales),
-               (*strides, table.stride(0) if cache.paged else 0, *outputs, *bounds,
-                cache.block_size if cache.paged else 1, qk_scale, descale_strides), plan.options)
+        launch(plan.kernel, plan.grid, tensors, (*strides, table_stride, *outputs, *bounds,
+                                                 cache.block_size if cache.paged else 1, qk_scale, descale_strides),
+               plan.options)
     if plan.splits > 1:
         launch(_combine, (nq, Hq, B), (target, target_lse, sinks, out, lse),
                (outputs[0], outputs[1], tuple(out.stride()[:3]), tuple(lse.stride()[:2]), plan.splits),

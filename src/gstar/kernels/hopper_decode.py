@@ -113,13 +113,12 @@ def _value_order(v):
 
 
 @gluon.jit
-def _tile(Words, offs, start_n, offs_n, pred, nk, MASKED: gl.constexpr, ZEROS: gl.constexpr):
-    """The FP8 words of keys ``start_n + offs_n``: ``Words`` the sequence and head's first key as int32,
-    ``offs`` the words' offsets within a tile (keys ``offs_n``, rows of ``offs.shape[1]`` words). MASKED tiles load
-    where ``pred`` holds and below ``nk``; ZEROS fills the rest with zeros (values: a masked key's weight is 0,
-    and 0 times a stale register could be NaN), else leaves it undefined (keys: the mask hides their scores).
-    Whole tiles load without a mask."""
-    ptrs = Words + start_n.to(gl.int64) * offs.shape[1] + offs
+def _tile(First, offs, start_n, offs_n, pred, nk, MASKED: gl.constexpr, ZEROS: gl.constexpr):
+    """The FP8 words of keys ``start_n + offs_n``: ``First`` key ``start_n``'s first word (int32), ``offs`` the
+    words' offsets within the tile (keys ``offs_n``). MASKED tiles load where ``pred`` holds and below ``nk``;
+    ZEROS fills the rest with zeros (values: a masked key's weight is 0, and 0 times a stale register could be
+    NaN), else leaves it undefined (keys: the mask hides their scores). Whole tiles load without a mask."""
+    ptrs = First + offs
     if not MASKED:
         return gl.load(ptrs)
     ok = (pred & (start_n + offs_n < nk))[:, None]
@@ -129,17 +128,34 @@ def _tile(Words, offs, start_n, offs_n, pred, nk, MASKED: gl.constexpr, ZEROS: g
 
 
 @gluon.jit
-def _tiles(blocks, j, i_hi, offs, nk, MASKED: gl.constexpr):
-    """Visible block ``j``'s first key and its K and V words (:func:`_tile`); whole tiles take ``j`` clamped to the
-    last one, ``i_hi - 1``, masked ones load nothing past it. ``blocks`` as :func:`_attend` takes it; ``offs``:
-    (K's in-tile offsets, their keys, V's, theirs)."""
-    K, V, sink_end, band_start = blocks
-    k_offs, offs_kn, v_offs, offs_vn = offs
+def _first_key(blocks, j, i_hi, MASKED: gl.constexpr):
+    """Visible block ``j``'s first key; whole tiles take ``j`` clamped to the last one, ``i_hi - 1`` (a load
+    past it reads the last tile again)."""
     if not MASKED:
         j = gl.minimum(j, i_hi - 1)
-    start = gl.where(j < sink_end, j, band_start + j - sink_end) * BLOCK_N
-    return (start, _tile(K, k_offs, start, offs_kn, j < i_hi, nk, MASKED, False),
-            _tile(V, v_offs, start, offs_vn, j < i_hi, nk, MASKED, MASKED))
+    sink_end, band_start = blocks[2], blocks[3]
+    return gl.where(j < sink_end, j, band_start + j - sink_end) * BLOCK_N
+
+
+@gluon.jit
+def _row(blocks, j, i_hi, MASKED: gl.constexpr, PAGE: gl.constexpr):
+    """The cache row of visible block ``j``'s first key: a paged cache's through the block table (the tile lies
+    in one page; masked tiles past ``i_hi`` look nothing up), else the key's index."""
+    start = _first_key(blocks, j, i_hi, MASKED)
+    if PAGE:
+        return gl.load(blocks[4] + start // PAGE, mask=j < i_hi, other=0).to(gl.int64) * PAGE + start % PAGE
+    return start.to(gl.int64)
+
+
+@gluon.jit
+def _tiles(blocks, j, row, i_hi, offs, nk, MASKED: gl.constexpr, KEY_WORDS: gl.constexpr):
+    """Visible block ``j``'s first key and its K and V words (:func:`_tile`) from cache row ``row``
+    (:func:`_row`); masked tiles load nothing past ``i_hi``. ``blocks`` as :func:`_attend` takes it; ``offs``:
+    (K's in-tile offsets, their keys, V's, theirs); KEY_WORDS as :func:`_decode` takes it."""
+    k_offs, offs_kn, v_offs, offs_vn = offs
+    start = _first_key(blocks, j, i_hi, MASKED)
+    return (start, _tile(blocks[0] + row * KEY_WORDS, k_offs, start, offs_kn, j < i_hi, nk, MASKED, False),
+            _tile(blocks[1] + row * KEY_WORDS, v_offs, start, offs_vn, j < i_hi, nk, MASKED, MASKED))
 
 
 @gluon.jit
@@ -160,13 +176,15 @@ def _fold(acc, m_i, l_i, q, k, v, cols, rows, rule, qk_scale, HAS_LEFT: gl.const
 
 @gluon.jit
 def _attend(acc, m_i, l_i, q, rows, i_lo, i_hi, blocks, rule, qk_scale, HAS_LEFT: gl.constexpr,
-            HAS_RIGHT: gl.constexpr, HAS_SINK_TOKENS: gl.constexpr, MASKED: gl.constexpr):
+            HAS_RIGHT: gl.constexpr, HAS_SINK_TOKENS: gl.constexpr, MASKED: gl.constexpr, KEY_WORDS: gl.constexpr,
+            PAGE: gl.constexpr):
     """Fold visible blocks ``i_lo .. i_hi`` into the rows' state, as :func:`gstar.kernels.decode._attend`, two
     tiles in flight: buffers a and b take the even and odd tiles, each loaded again (two tiles on) right after
     its fold, so that no register is copied while its load is in flight (a copy would wait for it). Whole tiles
     load without a mask: a load past the last tile reads the last one again. ``blocks``: (K, V, sink_end,
-    band_start), K and V this sequence's and head's first key as int32 words, keys in consecutive rows
-    (constant offsets within a tile); ``rule``: (nq, nk, left, right, sink_tokens)."""
+    band_start), K and V as int32 words, this sequence's and head's first key (a contiguous cache) or this
+    head's in the first page (paged, then the sequence's block table follows); ``rule``: (nq, nk, left, right,
+    sink_tokens); KEY_WORDS, PAGE: as :func:`_decode` takes them."""
     nk = rule[1]
     D: gl.constexpr = q.shape[1]
     DV: gl.constexpr = acc.shape[1]
@@ -175,35 +193,40 @@ def _attend(acc, m_i, l_i, q, rows, i_lo, i_hi, blocks, rule, qk_scale, HAS_LEFT
     v_layout: gl.constexpr = _values_layout(BLOCK_N, DV // 4)
     offs_kn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, k_layout))
     offs_vn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_layout))
-    k_offs = offs_kn[:, None] * (D // 4) + gl.arange(0, D // 4, layout=gl.SliceLayout(0, k_layout))[None, :]
-    v_offs = offs_vn[:, None] * (DV // 4) + gl.arange(0, DV // 4, layout=gl.SliceLayout(0, v_layout))[None, :]
+    k_offs = offs_kn[:, None] * KEY_WORDS + gl.arange(0, D // 4, layout=gl.SliceLayout(0, k_layout))[None, :]
+    v_offs = offs_vn[:, None] * KEY_WORDS + gl.arange(0, DV // 4, layout=gl.SliceLayout(0, v_layout))[None, :]
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
     offs = (k_offs, offs_kn, v_offs, offs_vn)
-    start_a, k_a, v_a = _tiles(blocks, i_lo, i_hi, offs, nk, MASKED)  # (BLOCK_N, D / 4), (BLOCK_N, DV / 4) words
-    start_b, k_b, v_b = _tiles(blocks, i_lo + 1, i_hi, offs, nk, MASKED)
+    start_a, k_a, v_a = _tiles(blocks, i_lo, _row(blocks, i_lo, i_hi, MASKED, PAGE), i_hi, offs, nk, MASKED,
+                               KEY_WORDS)  # (BLOCK_N, D / 4), (BLOCK_N, DV / 4) words
+    start_b, k_b, v_b = _tiles(blocks, i_lo + 1, _row(blocks, i_lo + 1, i_hi, MASKED, PAGE), i_hi, offs, nk, MASKED,
+                               KEY_WORDS)
     for i in range(i_lo, i_hi, 2):
         acc, m_i, l_i = _fold(acc, m_i, l_i, q, k_a, v_a, start_a + offs_n, rows, rule, qk_scale, HAS_LEFT,
                               HAS_RIGHT, HAS_SINK_TOKENS, MASKED)
-        start_a, k_a, v_a = _tiles(blocks, i + 2, i_hi, offs, nk, MASKED)
+        start_a, k_a, v_a = _tiles(blocks, i + 2, _row(blocks, i + 2, i_hi, MASKED, PAGE), i_hi, offs, nk, MASKED,
+                                   KEY_WORDS)
         if i + 1 < i_hi:
             acc, m_i, l_i = _fold(acc, m_i, l_i, q, k_b, v_b, start_b + offs_n, rows, rule, qk_scale, HAS_LEFT,
                                   HAS_RIGHT, HAS_SINK_TOKENS, MASKED)
-        start_b, k_b, v_b = _tiles(blocks, i + 3, i_hi, offs, nk, MASKED)
+        start_b, k_b, v_b = _tiles(blocks, i + 3, _row(blocks, i + 3, i_hi, MASKED, PAGE), i_hi, offs, nk, MASKED,
+                                   KEY_WORDS)
     return acc, m_i, l_i
 
 
 # lengths, bounds and row counts change between calls: specialising on them would recompile a decode loop
 @gluon.jit(do_not_specialize=["nq", "group", "added", "left", "right", "sink_tokens"])
-def _decode(Q, K, V, Seqlens, Sinks, Out, Lse, QDescale, KDescale, VDescale,
-            stride_q, stride_k, stride_v, stride_o, stride_lse,
+def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, QDescale, KDescale, VDescale,
+            stride_q, stride_k, stride_v, stride_bt, stride_o, stride_lse,
             nq, group, added, left, right, sink_tokens, qk_scale, stride_ds,
             HEAD_DIM: gl.constexpr, VALUE_DIM: gl.constexpr, SPLIT: gl.constexpr, HAS_LEFT: gl.constexpr,
-            HAS_RIGHT: gl.constexpr, HAS_SINK_TOKENS: gl.constexpr):
+            HAS_RIGHT: gl.constexpr, HAS_SINK_TOKENS: gl.constexpr, KEY_WORDS: gl.constexpr, PAGE: gl.constexpr):
     """Grid ``(splits, Hkv * row_tiles, B)`` as Triton's (the plan gives one row tile: ``group * nq <= BLOCK_R``),
-    one warp a program; arguments as :func:`gstar.kernels.decode._decode`'s for a contiguous FP8 cache (no block
-    table) whose keys are consecutive rows (``stride_k[2]`` = HEAD_DIM, ``stride_v[2]`` = VALUE_DIM); tiles of
-    ``BLOCK_N`` keys. After its walk each program lets the combine launch (:func:`gstar.kernels.decode._combine`,
-    a programmatic dependent launch)."""
+    one warp a program; arguments as :func:`gstar.kernels.decode._decode`'s for an FP8 cache, contiguous (PAGE 0,
+    no block table) or paged in pages of PAGE keys (a multiple of ``BLOCK_N``), whose key rows lie KEY_WORDS
+    32-bit words apart (D / 4 contiguous, Hkv D / 4 paged), K's and V's alike; tiles of ``BLOCK_N`` keys. After
+    its walk each program lets the combine launch (:func:`gstar.kernels.decode._combine`, a programmatic
+    dependent launch)."""
     mma: gl.constexpr = _mma_layout()
     q_layout: gl.constexpr = _rows_layout(HEAD_DIM)
     split, splits, hkv, tile, b, nk = decode_program(Seqlens, added, group, nq, BLOCK_R)
@@ -236,20 +259,27 @@ def _decode(Q, K, V, Seqlens, Sinks, Out, Lse, QDescale, KDescale, VDescale,
     count = sink_end + band_end - band_start  # the i-th visible block: [0, sink_end), then [band_start, band_end)
     per = gl.cdiv(count, splits)
     lo, hi = split * per, gl.minimum(split * per + per, count)  # this split's share
-    k_words = (K + b * stride_k[0] + hkv * stride_k[1]).to(gl.pointer_type(gl.int32), bitcast=True)
-    v_words = (V + b * stride_v[0] + hkv * stride_v[1]).to(gl.pointer_type(gl.int32), bitcast=True)
-    blocks = (k_words, v_words, sink_end, band_start)
+    if PAGE:  # strides (page, row, head): this head's keys in the first page; the sequence's block table
+        k_first = K + hkv * stride_k[2]
+        v_first = V + hkv * stride_v[2]
+    else:  # strides (batch, head, row)
+        k_first = K + b * stride_k[0] + hkv * stride_k[1]
+        v_first = V + b * stride_v[0] + hkv * stride_v[1]
+    blocks = (k_first.to(gl.pointer_type(gl.int32), bitcast=True), v_first.to(gl.pointer_type(gl.int32), bitcast=True),
+              sink_end, band_start)
+    if PAGE:
+        blocks = blocks + (BlockTable + b * stride_bt,)
     rule = (nq, nk, left, right, sink_tokens)
     whole, whole_end = sink_end + full_start - band_start, sink_end + full_end - band_start  # the whole blocks' i
     if lo < gl.minimum(hi, whole):
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, rows, lo, gl.minimum(hi, whole), blocks, rule, qk_scale,
-                                HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True)
+                                HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True, KEY_WORDS, PAGE)
     if gl.maximum(lo, whole) < gl.minimum(hi, whole_end):
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, rows, gl.maximum(lo, whole), gl.minimum(hi, whole_end), blocks,
-                                rule, qk_scale, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, False)
+                                rule, qk_scale, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, False, KEY_WORDS, PAGE)
     if gl.maximum(lo, whole_end) < hi:
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, rows, gl.maximum(lo, whole_end), hi, blocks, rule, qk_scale,
-                                HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True)
+                                HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True, KEY_WORDS, PAGE)
 
     gdc_launch_dependents()  # the combine may launch now (decode._early_combine): this program's walk is done
     if VDescale is not None:  # v's descale: one multiply of the finished rows (a split's partial alike)
@@ -263,13 +293,22 @@ def _decode(Q, K, V, Seqlens, Sinks, Out, Lse, QDescale, KDescale, VDescale,
 
 
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paged: bool, stacked: int) -> bool:
-    """Whether a decode call takes this kernel: q (FP8 or 16-bit) on an sm_90 GPU (a verified Triton), a
-    contiguous FP8 cache (B, Hkv, N, D) with D = Dv in ``HEAD_DIMS``, its keys in consecutive rows and each
-    head's at a 16-byte boundary (the word loads), and at most ``BLOCK_R`` stacked rows (group x queries)."""
-    return (k.dtype == FP8 and v.dtype == FP8 and not paged and q.dtype != torch.float32 and _on_hopper(q)
-            and q.shape[-1] == k.shape[-1] == v.shape[-1] and k.shape[-1] in HEAD_DIMS and stacked <= BLOCK_R.value
-            and all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) % 16 == 0
-                    and t.stride(2) == t.shape[3] for t in (k, v)))
+    """Whether a decode call takes this kernel: q (FP8 or 16-bit) on an sm_90 GPU (a verified Triton), an FP8
+    cache with D = Dv in ``HEAD_DIMS`` and at most ``BLOCK_R`` stacked rows (group x queries), laid out as the
+    word loads need: contiguous (B, Hkv, N, D) with its keys in consecutive rows, or paged (pages, page, Hkv, D)
+    in pages of a multiple of ``BLOCK_N`` keys with each page's rows (all heads) consecutive; every row at a
+    16-byte boundary."""
+    if not (k.dtype == FP8 and v.dtype == FP8 and q.dtype != torch.float32 and _on_hopper(q)
+            and q.shape[-1] == k.shape[-1] == v.shape[-1] and k.shape[-1] in HEAD_DIMS and stacked <= BLOCK_R.value):
+        return False
+    if paged:
+        laid_out = all(t.shape[1] % BLOCK_N.value == 0 and t.stride(2) == t.shape[3]
+                       and t.stride(1) == t.shape[2] * t.shape[3] and t.stride(0) == t.shape[1] * t.stride(1)
+                       for t in (k, v))
+    else:
+        laid_out = all(t.stride(2) == t.shape[3] for t in (k, v))
+    return laid_out and all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) % 16 == 0
+                            for t in (k, v))
 
 
 def splits(pairs: int, visible_blocks: int, device: torch.device) -> int:
