@@ -12,8 +12,8 @@ blocks between, whose loads carry no masks either; a paged cache's blocks all ta
 runs ``P V`` in float16 (:func:`_widen_values`), and ``Q K^T`` in float16 too under 16-bit queries (bfloat16 ones
 scaled into its range, :func:`gstar.kernels.widen.half_queries`).
 
-On sm_90 a long contiguous FP8 cache takes the Gluon kernel of :mod:`gstar.kernels.hopper_decode` instead (one
-warp a program, no shared memory); :func:`_decode_plan` picks, and both share ``_combine``.
+On sm_90 a long FP8 cache, contiguous or paged, takes the Gluon kernel of :mod:`gstar.kernels.hopper_decode`
+instead (one warp a program, no shared memory); :func:`_decode_plan` picks, and both share ``_combine``.
 
 With one split a program finishes its rows, the learned sink included. With several, each stores its
 partial result (normalised output and LSE, float32) and ``_combine`` merges a row's partials by their LSEs,
