@@ -87,17 +87,17 @@ SERVING_PAGED = "N75..32348 Nq1 H64/8 D64 causal +sinks bf16 paged"  # the paged
 
 @pytest.mark.parametrize("case,flags", [("B1 N131072", ()), ("B1 N131072", ("--fp8",)),
                                         ("B1 N131072", ("--fp8-cache",)), (SERVING_PAGED, ()),
-                                        (SERVING_PAGED, ("--fp8-cache",))])
+                                        (SERVING_PAGED, ("--fp8",)), (SERVING_PAGED, ("--fp8-cache",))])
 def test_decode_kernels_compile_without_spills(case, flags, tmp_path):
     """gstar.kernels.decode compiles for sm_90a as an H100 / H200 launches it (contiguous and paged caches, 16-bit
     and FP8, the paged 16-bit one under its register cap) without spills, its products on the tensor cores. An
     FP8 cache runs both products in float16 under any queries: bfloat16 queries leave no bfloat16 product and no
-    two-step widening of the keys (F2F, e4m3 -> float16 -> bfloat16). A long contiguous FP8 cache takes the Gluon
-    kernel: one warp a program, no shared memory."""
+    two-step widening of the keys (F2F, e4m3 -> float16 -> bfloat16). A long FP8 cache, contiguous or paged,
+    takes the Gluon kernel: one warp a program, no shared memory."""
     result = _run("--decode", "--case", case, *flags, "--dump", str(tmp_path))
     assert result.returncode == 0, result.stderr[-2000:]
     line = next(l for l in result.stdout.splitlines() if l.startswith("_decode:"))
-    gluon = bool(flags) and "paged" not in case
+    gluon = bool(flags)
     if gluon:  # the GPU runs it under the verified Triton only; others may spill a few bytes at its register cap
         assert " 1 warps," in line and " 0 bytes of shared memory" in line, line
     if hopper.VERIFIED or not gluon:
