@@ -354,15 +354,11 @@ def decode_forward(q, cache, cache_seqlens, added: int, sinks, pattern: Pattern,
     bounds = (nq, Hq // Hkv, added, pattern.left, pattern.right, pattern.sink_tokens)
     qk_scale = scale * math.log2(math.e)
     table = cache.block_table
-    tensors = (q_in, k, v, table, cache_seqlens, kernel_sinks, target, target_lse, *descales)
-    table_stride = table.stride(0) if cache.paged else 0
-    if plan.kernel is hopper_decode._decode:  # its page size is a constexpr
-        launch(plan.kernel, plan.grid, tensors, (*strides, table_stride, *outputs, *bounds, qk_scale, descale_strides),
-               plan.options)
-    else:
-        launch(plan.kernel, plan.grid, tensors, (*strides, table_stride, *outputs, *bounds,
-                                                 cache.block_size if cache.paged else 1, qk_scale, descale_strides),
-               plan.options)
+    # Triton's kernel takes the page size at run time, the Gluon one as a constexpr (in plan.options)
+    page = () if plan.kernel is hopper_decode._decode else (cache.block_size if cache.paged else 1,)
+    launch(plan.kernel, plan.grid, (q_in, k, v, table, cache_seqlens, kernel_sinks, target, target_lse, *descales),
+           (*strides, table.stride(0) if cache.paged else 0, *outputs, *bounds, *page, qk_scale, descale_strides),
+           plan.options)
     if plan.splits > 1:
         launch(_combine, (nq, Hq, B), (target, target_lse, sinks, out, lse),
                (outputs[0], outputs[1], tuple(out.stride()[:3]), tuple(lse.stride()[:2]), plan.splits),
