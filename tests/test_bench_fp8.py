@@ -20,7 +20,9 @@ def test_fp8_suite_pairs_each_case_with_bf16():
     assert [c.dtype for c in steps] == ["bfloat16", "fp8", "fp8-cache"] * (len(steps) // 3)
     shapes = {(c.batch, c.heads, c.kv_heads, c.seqlen, c.head_dim, c.queries) for c in fp8}
     assert shapes == {(4, 16, 16, 8192, 128, 0), (2, 64, 8, 4096, 64, 0), (1, 64, 8, 131072, 64, 1),
-                      (8, 64, 8, 32768, 64, 1)}
+                      (8, 64, 8, 32768, 64, 1), (64, 64, 8, 32768, 64, 1)}
+    assert {c.page_size for c in steps if c.batch == 64} == {cases.DECODE_PAGE}  # the serving step, paged
+    assert all(c.page_size == 0 for c in steps if c.batch < 64)
     assert all(c.fp8 == (c.dtype != "bfloat16") for c in fp8)
     assert all(for_cpu(c).dtype == c.dtype for c in fp8 if c.fp8)  # a CPU keeps FP8 (the PyTorch path)
     assert fp8[1].label.endswith("fp8") and steps[2].label.endswith("fp8 cache")
@@ -57,6 +59,8 @@ def test_fp8_suite_runs(monkeypatch, tmp_path, capsys):
              for w in ((-1, -1), (127, 0)) for d in ("bfloat16", "fp8")]
     small += [Case("fp8", 2, 64, 8, 1024, 64, causal=True, sinks=True, queries=1, dtype=d)
               for d in ("fp8", "fp8-cache")]
+    small += [Case("fp8", 3, 64, 8, 300, 64, causal=True, sinks=True, queries=1, lengths=(300, 65, 129),
+                   page_size=cases.DECODE_PAGE, dtype=d) for d in ("fp8", "fp8-cache")]
     monkeypatch.setitem(cases.SUITES, "fp8", lambda: small)
     monkeypatch.setattr(measure, "CPU_BUDGET_S", 0.0)
     path = tmp_path / "fp8.json"
@@ -64,12 +68,14 @@ def test_fp8_suite_runs(monkeypatch, tmp_path, capsys):
     rows = json.loads(path.read_text())["rows"]
     fp8 = [r for r in rows if r["case"]["dtype"] == "fp8"]
     assert [(r["impl"], r["status"]) for r in fp8 if r["impl"] != "eager"] == \
-        [("gstar", "ok"), ("gstar", "ok"), ("gstar", "ok"), ("gstar-prefill", "ok")]
+        [("gstar", "ok"), ("gstar", "ok"), ("gstar", "ok"), ("gstar-prefill", "ok"), ("gstar", "ok"),
+         ("gstar-prefill", "n/a")]  # a paged cache: the KV-cache call only
     assert all(r["checks"] and all(c["ok"] for c in r["checks"]) for r in fp8 if r["status"] == "ok")
     assert {r["reason"] for r in fp8 if r["impl"] == "eager"} == {"no FP8 inputs"}
     cache = [r for r in rows if r["case"]["dtype"] == "fp8-cache"]  # bfloat16 queries: the KV-cache call only
-    assert [(r["impl"], r["status"]) for r in cache] == [("gstar", "ok"), ("gstar-prefill", "n/a"), ("eager", "n/a")]
-    assert cache[0]["checks"] and all(c["ok"] for c in cache[0]["checks"])
+    assert [(r["impl"], r["status"]) for r in cache] == \
+        [("gstar", "ok"), ("gstar-prefill", "n/a"), ("eager", "n/a")] * 2  # contiguous, paged
+    assert all(r["checks"] and all(c["ok"] for c in r["checks"]) for r in cache if r["status"] == "ok")
     assert main(["bench", "--suite", "fp8", "--mode", "fwd+bwd"]) == 2
     assert "forward only" in capsys.readouterr().err
     assert main(["bench", "--seqlen", "40", "--heads", "2", "--dtype", "fp8", "--mode", "fwd+bwd", "--impls",

@@ -285,10 +285,12 @@ def _decode_suite() -> list[Case]:
 
 
 def _fp8_suite() -> list[Case]:
-    """Each FP8 case beside the same case in bfloat16: D 128 causal 8k, the GPT-OSS layers, long decode steps (these
-    also against an FP8 cache under bfloat16 queries)."""
+    """Each FP8 case beside the same case in bfloat16: D 128 causal 8k, the GPT-OSS layers, long decode steps and
+    the GPT-OSS-20B serving step from a paged cache (these also against an FP8 cache under bfloat16 queries)."""
+    step = _gpt_oss("fp8", STEP_BATCH, STEP_MOST, queries=1, lengths=cache_lengths(STEP_BATCH, STEP_MOST))[0]
     cases = [Case("fp8", 4, 16, 16, 8192, 128, causal=True), *_gpt_oss("fp8", 2, 4096),
-             *[c for b, n in DECODE_SHAPES[::2] for c in _gpt_oss("fp8", b, n, queries=1)[:1]]]
+             *[c for b, n in DECODE_SHAPES[::2] for c in _gpt_oss("fp8", b, n, queries=1)[:1]],
+             dataclasses.replace(step, page_size=DECODE_PAGE)]
     return [dataclasses.replace(c, dtype=d) for c in cases
             for d in (("bfloat16", "fp8", FP8_CACHE) if c.decode else ("bfloat16", "fp8"))]
 
