@@ -64,7 +64,8 @@ def _plan(monkeypatch, capacity, window=(-1, -1), B=1, num_splits=None, major=9,
     (131072, (-1, -1), 1, "gluon", 132 * 12 // 8),         # one wave: twelve programs an SM
     (32768, (-1, -1), 8, "gluon", 132 * 12 // 64),
     (16384, (-1, -1), 1, "gluon", 16384 // 32 // 4),       # four tiles a split at least
-    (16384, (-1, -1), 256, "gluon", 1),                    # more (sequence, head) pairs than one wave
+    (32768, (-1, -1), 64, "gluon", 132 * 12 // 512 * 3),  # a wave's splits of 10,923 keys: three waves of them
+    (16384, (-1, -1), 256, "gluon", 4),                    # more pairs than one wave: splits of SPLIT_KEYS
     (8192, (-1, -1), 1, "triton", None),                   # below MIN_KEYS: Triton's kernel
     (131072, (127, 0), 1, "triton", None),                 # a window shows a few blocks
 ])
@@ -94,6 +95,19 @@ def test_plan_walks_contiguous_and_paged_caches(monkeypatch, page, key_words):
     hold every head); PAGE is the page size, 0 for a contiguous cache."""
     options = dict(_plan(monkeypatch, 131072, page=page).options)
     assert options["KEY_WORDS"] == key_words and options["PAGE"] == page
+
+
+@pytest.mark.parametrize("capacity, B, page, lines", [
+    (32768, 8, 64, True),      # splits of 1,365 keys: whole L2 lines
+    (32768, 64, 64, True),     # 3,641
+    (131072, 1, 64, False),    # 662: short walks keep their 64-byte fetches
+    (16384, 4, 64, False),     # 334
+    (32768, 8, 0, False),      # a contiguous cache's lines are the program's own
+])
+def test_plan_fetches_whole_lines_on_long_paged_walks(monkeypatch, capacity, B, page, lines):
+    plan = _plan(monkeypatch, capacity, B=B, page=page)
+    assert dict(plan.options)["LINES"] is lines
+    assert lines == (page > 0 and capacity >= plan.splits * hopper_decode.LINE_KEYS)
 
 
 def test_plan_keeps_num_splits(monkeypatch):

@@ -93,7 +93,8 @@ def test_decode_kernels_compile_without_spills(case, flags, tmp_path):
     and FP8, the paged 16-bit one under its register cap) without spills, its products on the tensor cores. An
     FP8 cache runs both products in float16 under any queries: bfloat16 queries leave no bfloat16 product and no
     two-step widening of the keys (F2F, e4m3 -> float16 -> bfloat16). A long FP8 cache, contiguous or paged,
-    takes the Gluon kernel: one warp a program, no shared memory."""
+    takes the Gluon kernel: one warp a program, no shared memory; the serving step's long paged walks fetch whole
+    L2 lines."""
     result = _run("--decode", "--case", case, *flags, "--dump", str(tmp_path))
     assert result.returncode == 0, result.stderr[-2000:]
     line = next(l for l in result.stdout.splitlines() if l.startswith("_decode:"))
@@ -106,6 +107,8 @@ def test_decode_kernels_compile_without_spills(case, flags, tmp_path):
     assert "HMMA.16816.F32" in sass
     if flags:
         assert "HMMA.16816.F32.BF16" not in sass and not re.search(r"\sF2F\.", sass)
+        # the serving step's long paged walks fetch whole L2 lines (hopper_decode.lines), a contiguous cache never
+        assert ("LDG.E.LTC128B" in sass) == (case == SERVING_PAGED), case
 
 
 def test_hopper_refuses_a_case_it_does_not_serve():

@@ -296,7 +296,8 @@ def _decode_plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: boo
                 constexprs(HEAD_DIM=D, VALUE_DIM=Dv, SPLIT=splits > 1, HAS_LEFT=pattern.left >= 0,
                            HAS_RIGHT=pattern.right >= 0,
                            HAS_SINK_TOKENS=pattern.left >= 0 and pattern.sink_tokens > 0,
-                           KEY_WORDS=(Hkv * D if paged else D) // 4, PAGE=block_size if paged else 0, num_warps=1,
+                           KEY_WORDS=(Hkv * D if paged else D) // 4, PAGE=block_size if paged else 0,
+                           LINES=hopper_decode.lines(paged, visible_blocks * block_n, splits), num_warps=1,
                            maxnreg=hopper_decode.REGISTERS), combine(splits))
     width = pad_head_dim(D) + pad_head_dim(Dv)
     block_r = tile_rows(group * nq, width)

@@ -51,6 +51,14 @@ HEAD_DIMS = (64,)  # D = Dv served (at 128 the kernel spills)
 MIN_KEYS = 16384
 REGISTERS = 168  # a thread's, the compiler's own count at D 64: twelve one-warp programs an SM (65,536 each)
 MAX_SPLITS = 256
+# keys of a full cache a split walks at most (:func:`splits`): a ragged batch of 64 sequences of up to 32,768 keys
+# ran 0.86x its one-wave time in nine splits, its uniform twin 1.02x (benchmarks/NOTES.md, 'Decoding: ragged
+# batches and paged rows')
+SPLIT_KEYS = 4096
+# keys of a full cache a split walks, from which a paged cache's whole tiles fetch whole L2 lines (:func:`lines`):
+# 0.78-0.96x the time at 1,365 to 3,641 keys a split, 1.09x at 334 (benchmarks/NOTES.md, 'Decoding: ragged batches
+# and paged rows')
+LINE_KEYS = 1024
 
 
 @constexpr_function
@@ -114,14 +122,34 @@ def _value_order(v):
 
 
 @gluon.jit
-def _tile(First, offs, start_n, offs_n, pred, nk, MASKED: gl.constexpr, ZEROS: gl.constexpr):
+def _whole_tile(ptrs, VEC: gl.constexpr, LINES: gl.constexpr):
+    """The int32 words at ``ptrs``, a thread's ``VEC`` consecutive ones (4 or 2) in one vector load. LINES: its L2
+    misses fetch the whole 128-byte line (``L2::128B``). A paged cache's row holds every kv head's key side by side,
+    64 bytes each at D = 64, and the line's other half is the next head's, whose program reads it at about the
+    same time: long walks gain, short ones lose (:func:`lines`)."""
+    gl.static_assert((VEC == 4) | (VEC == 2), "a thread loads 4 or 2 consecutive words of a row")
+    if not LINES:
+        words = gl.load(ptrs)
+    elif VEC == 4:
+        words = gl.inline_asm_elementwise("ld.global.L2::128B.v4.b32 {$0, $1, $2, $3}, [$4];",
+                                          "=r,=r,=r,=r,l,l,l,l", [ptrs], dtype=gl.int32, is_pure=False, pack=4)
+    else:
+        words = gl.inline_asm_elementwise("ld.global.L2::128B.v2.b32 {$0, $1}, [$2];", "=r,=r,l,l", [ptrs],
+                                          dtype=gl.int32, is_pure=False, pack=2)
+    return words
+
+
+@gluon.jit
+def _tile(First, offs, start_n, offs_n, pred, nk, MASKED: gl.constexpr, ZEROS: gl.constexpr, VEC: gl.constexpr,
+          LINES: gl.constexpr):
     """The FP8 words of keys ``start_n + offs_n``: ``First`` key ``start_n``'s first word (int32), ``offs`` the
-    words' offsets within the tile (keys ``offs_n``). MASKED tiles load where ``pred`` holds and below ``nk``;
-    ZEROS fills the rest with zeros (values: a masked key's weight is 0, and 0 times a stale register could be
-    NaN), else leaves it undefined (keys: the mask hides their scores). Whole tiles load without a mask."""
+    words' offsets within the tile (keys ``offs_n``; a thread's ``VEC`` consecutive words of a row). MASKED tiles
+    load where ``pred`` holds and below ``nk``; ZEROS fills the rest with zeros (values: a masked key's weight is 0,
+    and 0 times a stale register could be NaN), else leaves it undefined (keys: the mask hides their scores). Whole
+    tiles load without a mask (:func:`_whole_tile`)."""
     ptrs = First + offs
     if not MASKED:
-        return gl.load(ptrs)
+        return _whole_tile(ptrs, VEC, LINES)
     ok = (pred & (start_n + offs_n < nk))[:, None]
     if ZEROS:
         return gl.load(ptrs, mask=ok, other=0)
@@ -149,14 +177,18 @@ def _row(blocks, j, i_hi, MASKED: gl.constexpr, PAGE: gl.constexpr):
 
 
 @gluon.jit
-def _tiles(blocks, j, row, i_hi, offs, nk, MASKED: gl.constexpr, KEY_WORDS: gl.constexpr):
+def _tiles(blocks, j, row, i_hi, offs, nk, MASKED: gl.constexpr, KEY_WORDS: gl.constexpr, LINES: gl.constexpr):
     """Visible block ``j``'s first key and its K and V words (:func:`_tile`) from cache row ``row``
     (:func:`_row`); masked tiles load nothing past ``i_hi``. ``blocks`` as :func:`_attend` takes it; ``offs``:
     (K's in-tile offsets, their keys, V's, theirs); KEY_WORDS as :func:`_decode` takes it."""
     k_offs, offs_kn, v_offs, offs_vn = offs
     start = _first_key(blocks, j, i_hi, MASKED)
-    return (start, _tile(blocks[0] + row * KEY_WORDS, k_offs, start, offs_kn, j < i_hi, nk, MASKED, False),
-            _tile(blocks[1] + row * KEY_WORDS, v_offs, start, offs_vn, j < i_hi, nk, MASKED, MASKED))
+    K_VEC: gl.constexpr = k_offs.shape[1] // 4  # a quarter of a key's words a thread (_rows_layout)
+    V_VEC: gl.constexpr = v_offs.shape[1] // 8  # an eighth of a value row's (_values_layout)
+    return (start, _tile(blocks[0] + row * KEY_WORDS, k_offs, start, offs_kn, j < i_hi, nk, MASKED, False, K_VEC,
+                         LINES),
+            _tile(blocks[1] + row * KEY_WORDS, v_offs, start, offs_vn, j < i_hi, nk, MASKED, MASKED, V_VEC,
+                         LINES))
 
 
 @gluon.jit
@@ -178,14 +210,14 @@ def _fold(acc, m_i, l_i, q, k, v, cols, rows, rule, qk_scale, HAS_LEFT: gl.const
 @gluon.jit
 def _attend(acc, m_i, l_i, q, rows, i_lo, i_hi, blocks, rule, qk_scale, HAS_LEFT: gl.constexpr,
             HAS_RIGHT: gl.constexpr, HAS_SINK_TOKENS: gl.constexpr, MASKED: gl.constexpr, KEY_WORDS: gl.constexpr,
-            PAGE: gl.constexpr):
+            PAGE: gl.constexpr, LINES: gl.constexpr):
     """Fold visible blocks ``i_lo .. i_hi`` into the rows' state, as :func:`gstar.kernels.decode._attend`, two
     tiles in flight: buffers a and b take the even and odd tiles, each loaded again (two tiles on) right after
     its fold, so that no register is copied while its load is in flight (a copy would wait for it). Whole tiles
     load without a mask: a load past the last tile reads the last one again. ``blocks``: (K, V, sink_end,
     band_start), K and V as int32 words, this sequence's and head's first key (a contiguous cache) or this
     head's in the first page (paged, then the sequence's block table follows); ``rule``: (nq, nk, left, right,
-    sink_tokens); KEY_WORDS, PAGE: as :func:`_decode` takes them."""
+    sink_tokens); KEY_WORDS, PAGE, LINES: as :func:`_decode` takes them."""
     nk = rule[1]
     D: gl.constexpr = q.shape[1]
     DV: gl.constexpr = acc.shape[1]
@@ -199,19 +231,19 @@ def _attend(acc, m_i, l_i, q, rows, i_lo, i_hi, blocks, rule, qk_scale, HAS_LEFT
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
     offs = (k_offs, offs_kn, v_offs, offs_vn)
     start_a, k_a, v_a = _tiles(blocks, i_lo, _row(blocks, i_lo, i_hi, MASKED, PAGE), i_hi, offs, nk, MASKED,
-                               KEY_WORDS)  # (BLOCK_N, D / 4), (BLOCK_N, DV / 4) words
+                               KEY_WORDS, LINES)  # (BLOCK_N, D / 4), (BLOCK_N, DV / 4) words
     start_b, k_b, v_b = _tiles(blocks, i_lo + 1, _row(blocks, i_lo + 1, i_hi, MASKED, PAGE), i_hi, offs, nk, MASKED,
-                               KEY_WORDS)
+                               KEY_WORDS, LINES)
     for i in range(i_lo, i_hi, 2):
         acc, m_i, l_i = _fold(acc, m_i, l_i, q, k_a, v_a, start_a + offs_n, rows, rule, qk_scale, HAS_LEFT,
                               HAS_RIGHT, HAS_SINK_TOKENS, MASKED)
         start_a, k_a, v_a = _tiles(blocks, i + 2, _row(blocks, i + 2, i_hi, MASKED, PAGE), i_hi, offs, nk, MASKED,
-                                   KEY_WORDS)
+                                   KEY_WORDS, LINES)
         if i + 1 < i_hi:
             acc, m_i, l_i = _fold(acc, m_i, l_i, q, k_b, v_b, start_b + offs_n, rows, rule, qk_scale, HAS_LEFT,
                                   HAS_RIGHT, HAS_SINK_TOKENS, MASKED)
         start_b, k_b, v_b = _tiles(blocks, i + 3, _row(blocks, i + 3, i_hi, MASKED, PAGE), i_hi, offs, nk, MASKED,
-                                   KEY_WORDS)
+                                   KEY_WORDS, LINES)
     return acc, m_i, l_i
 
 
@@ -221,13 +253,14 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, QDescale, KDescale, V
             stride_q, stride_k, stride_v, stride_bt, stride_o, stride_lse,
             nq, group, added, left, right, sink_tokens, qk_scale, stride_ds,
             HEAD_DIM: gl.constexpr, VALUE_DIM: gl.constexpr, SPLIT: gl.constexpr, HAS_LEFT: gl.constexpr,
-            HAS_RIGHT: gl.constexpr, HAS_SINK_TOKENS: gl.constexpr, KEY_WORDS: gl.constexpr, PAGE: gl.constexpr):
+            HAS_RIGHT: gl.constexpr, HAS_SINK_TOKENS: gl.constexpr, KEY_WORDS: gl.constexpr, PAGE: gl.constexpr,
+            LINES: gl.constexpr):
     """Grid ``(splits, Hkv * row_tiles, B)`` as Triton's (the plan gives one row tile: ``group * nq <= BLOCK_R``),
     one warp a program; arguments as :func:`gstar.kernels.decode._decode`'s for an FP8 cache, contiguous (PAGE 0,
     no block table) or paged in pages of PAGE keys (a multiple of ``BLOCK_N``), whose key rows lie KEY_WORDS
-    32-bit words apart (D / 4 contiguous, Hkv D / 4 paged), K's and V's alike; tiles of ``BLOCK_N`` keys. After
-    its walk each program lets the combine launch (:func:`gstar.kernels.decode._combine`, a programmatic
-    dependent launch)."""
+    32-bit words apart (D / 4 contiguous, Hkv D / 4 paged), K's and V's alike; tiles of ``BLOCK_N`` keys. LINES:
+    whole tiles fetch whole L2 lines (:func:`lines`). After its walk each program lets the combine launch
+    (:func:`gstar.kernels.decode._combine`, a programmatic dependent launch)."""
     mma: gl.constexpr = _mma_layout()
     q_layout: gl.constexpr = _rows_layout(HEAD_DIM)
     split, splits, hkv, tile, b, nk = decode_program(Seqlens, added, group, nq, BLOCK_R)
@@ -274,13 +307,13 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, QDescale, KDescale, V
     whole, whole_end = sink_end + full_start - band_start, sink_end + full_end - band_start  # the whole blocks' i
     if lo < gl.minimum(hi, whole):
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, rows, lo, gl.minimum(hi, whole), blocks, rule, qk_scale,
-                                HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True, KEY_WORDS, PAGE)
+                                HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True, KEY_WORDS, PAGE, LINES)
     if gl.maximum(lo, whole) < gl.minimum(hi, whole_end):
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, rows, gl.maximum(lo, whole), gl.minimum(hi, whole_end), blocks,
-                                rule, qk_scale, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, False, KEY_WORDS, PAGE)
+                                rule, qk_scale, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, False, KEY_WORDS, PAGE, LINES)
     if gl.maximum(lo, whole_end) < hi:
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, rows, gl.maximum(lo, whole_end), hi, blocks, rule, qk_scale,
-                                HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True, KEY_WORDS, PAGE)
+                                HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True, KEY_WORDS, PAGE, LINES)
 
     gdc_launch_dependents()  # the combine may launch now (decode._early_combine): this program's walk is done
     if VDescale is not None:  # v's descale: one multiply of the finished rows (a split's partial alike)
@@ -315,6 +348,15 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paged: bool, stack
 def splits(pairs: int, visible_blocks: int, device: torch.device) -> int:
     """Splits per (sequence, kv head), of ``pairs`` such: as many as one wave of resident programs holds (a
     second, partial wave would cost a whole split's walk), each keeping at least four tiles, at most
-    ``MAX_SPLITS``."""
+    ``MAX_SPLITS``. Where that leaves a split of a full cache more than ``SPLIT_KEYS`` keys (large batches), a
+    whole number of such waves: a ragged batch's long sequences then spread over more programs."""
     resident = 65536 // (32 * REGISTERS) * torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(resident // pairs, cdiv(visible_blocks, 4), MAX_SPLITS))
+    wave = max(1, min(resident // pairs, cdiv(visible_blocks, 4), MAX_SPLITS))
+    return min(wave * cdiv(visible_blocks * BLOCK_N.value, wave * SPLIT_KEYS), MAX_SPLITS)
+
+
+def lines(paged: bool, keys: int, splits: int) -> bool:
+    """Whether a walk's whole tiles fetch whole 128-byte L2 lines (:func:`_whole_tile`): paged caches whose splits
+    walk ``LINE_KEYS`` keys or more of a full cache of ``keys``, where the walk streams and the next head's half of
+    each line is read while it is in L2; a contiguous cache's lines are the program's own."""
+    return paged and keys >= splits * LINE_KEYS
