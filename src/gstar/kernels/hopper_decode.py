@@ -17,13 +17,13 @@ queries), and each ``mma.sync`` operand is loaded in the layout the instruction 
   fragments): no data moves.
 
 Keys and values travel as 32-bit words (four FP8 values each) and widen to float16 in registers, two buffers of 32
-keys a program, each loaded again right after its fold; the splits fill one wave of programs, twelve an SM
-(:func:`splits`). The walk over visible blocks, the rule and the softmax are the Triton kernels' own
-(:func:`gstar.kernels.ranges.kv_range`, :func:`gstar.kernels.forward.softmax_step`);
-:func:`gstar.kernels.decode._combine` merges the split partials. A paged cache's tiles find their rows through
-the block table (:func:`_row`), a tile within one page. :func:`serves` says which calls it can take; the
-plan (:func:`gstar.kernels.decode._decode_plan`) gives it those whose queries see ``MIN_KEYS`` keys or more, where
-it measured faster.
+keys a program, each loaded again right after its fold; the splits fill one wave of programs, twelve an SM, or whole
+waves of shorter splits in large batches (:func:`splits`). The walk over visible blocks, the rule and the softmax
+are the Triton kernels' own (:func:`gstar.kernels.ranges.kv_range`, :func:`gstar.kernels.forward.softmax_step`);
+:func:`gstar.kernels.decode._combine` merges the split partials. A paged cache's tiles find their rows through the
+block table (:func:`_row`), a tile within one page; its long walks fetch whole L2 lines (:func:`lines`).
+:func:`serves` says which calls it can take; the plan (:func:`gstar.kernels.decode._decode_plan`) gives it those
+whose queries see ``MIN_KEYS`` keys or more, where it measured faster.
 """
 
 from __future__ import annotations
