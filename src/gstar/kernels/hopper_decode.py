@@ -180,7 +180,7 @@ def _row(blocks, j, i_hi, MASKED: gl.constexpr, PAGE: gl.constexpr):
 def _tiles(blocks, j, row, i_hi, offs, nk, MASKED: gl.constexpr, KEY_WORDS: gl.constexpr, LINES: gl.constexpr):
     """Visible block ``j``'s first key and its K and V words (:func:`_tile`) from cache row ``row``
     (:func:`_row`); masked tiles load nothing past ``i_hi``. ``blocks`` as :func:`_attend` takes it; ``offs``:
-    (K's in-tile offsets, their keys, V's, theirs); KEY_WORDS as :func:`_decode` takes it."""
+    (K's in-tile offsets, their keys, V's, theirs); KEY_WORDS, LINES as :func:`_decode` takes them."""
     k_offs, offs_kn, v_offs, offs_vn = offs
     start = _first_key(blocks, j, i_hi, MASKED)
     K_VEC: gl.constexpr = k_offs.shape[1] // 4  # a quarter of a key's words a thread (_rows_layout)
