@@ -97,17 +97,19 @@ def test_plan_walks_contiguous_and_paged_caches(monkeypatch, page, key_words):
     assert options["KEY_WORDS"] == key_words and options["PAGE"] == page
 
 
-@pytest.mark.parametrize("capacity, B, page, lines", [
-    (32768, 8, 64, True),      # splits of 1,365 keys: whole L2 lines
-    (32768, 64, 64, True),     # 3,641
-    (131072, 1, 64, False),    # 662: short walks keep their 64-byte fetches
-    (16384, 4, 64, False),     # 334
-    (32768, 8, 0, False),      # a contiguous cache's lines are the program's own
+@pytest.mark.parametrize("capacity, B, page, num_splits, lines", [
+    (32768, 8, 64, None, True),      # splits of 1,365 keys: whole L2 lines
+    (32768, 64, 64, None, True),     # 3,641
+    (131072, 1, 64, None, False),    # 662: short walks keep their 64-byte fetches
+    (16384, 4, 64, None, False),     # 334
+    (32768, 8, 0, None, False),      # a contiguous cache's lines are the program's own
+    (3008, 3, 64, 1, True),          # the GPU test's one split over a paged cache (MIN_KEYS 0 there)
+    (3008, 3, 64, 3, False),         # its three
 ])
-def test_plan_fetches_whole_lines_on_long_paged_walks(monkeypatch, capacity, B, page, lines):
-    plan = _plan(monkeypatch, capacity, B=B, page=page)
-    assert dict(plan.options)["LINES"] is lines
-    assert lines == (page > 0 and capacity >= plan.splits * hopper_decode.LINE_KEYS)
+def test_plan_fetches_whole_lines_on_long_paged_walks(monkeypatch, capacity, B, page, num_splits, lines):
+    monkeypatch.setattr(hopper_decode, "MIN_KEYS", 0)
+    plan = _plan(monkeypatch, capacity, B=B, page=page, num_splits=num_splits)
+    assert plan.kernel is hopper_decode._decode and dict(plan.options)["LINES"] is lines
 
 
 def test_plan_keeps_num_splits(monkeypatch):
@@ -167,6 +169,7 @@ def _run(q, k8, v8, lengths, descales, pattern, sinks, num_splits, kernel, monke
 @gpu
 @pytest.mark.parametrize("pattern_id", list(PATTERNS))
 @pytest.mark.parametrize("q_fp8", [True, False], ids=["fp8-queries", "bf16-queries"])
+# one split walks the whole paged cache (3,008 keys): the whole-line loads (hopper_decode.lines); the others do not
 @pytest.mark.parametrize("nq, num_splits", [(1, None), (2, 3), (1, 1)])
 @pytest.mark.parametrize("page", [0, 64], ids=["contiguous", "paged-64"])
 def test_gpu_both_kernels_within_bar(pattern_id, q_fp8, nq, num_splits, page, monkeypatch):

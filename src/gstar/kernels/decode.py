@@ -41,7 +41,7 @@ from .widen import half_queries
 
 MAX_TILE_ROWS = 128  # stacked rows (group x queries) a program holds; more take further row tiles
 MAX_SPLITS = 64
-SPLIT_KEYS = 2048  # keys one split walks at most (while MAX_SPLITS allows): 32 tiles of 64
+SPLIT_KEYS = 2048  # keys one split walks at most (while MAX_SPLITS allows): 32 tiles of 64 (the Gluon kernel: its own)
 PAGED_REGISTERS = 64  # per thread: a paged 16-bit cache's kernel on Hopper, 16 rows of narrow heads
 
 
@@ -265,11 +265,16 @@ def _visible_blocks(pattern: Pattern, nq: int, block_n: int) -> int:
     return sink_end + band_end - band_start + (pattern.left >= 0)
 
 
+def _nvidia(device: torch.device) -> bool:
+    """An NVIDIA GPU (CUDA, not ROCm): where inline PTX and programmatic dependent launches exist."""
+    return device.type == "cuda" and torch.version.hip is None
+
+
 def _early_combine(device: torch.device) -> bool:
     """Whether :func:`_combine` launches as a programmatic dependent of the decode kernel (CUDA, sm_90 and
     newer): its launch and its programs' start then overlap the decode kernel's last programs instead of
     following them."""
-    return device.type == "cuda" and torch.version.hip is None and capability_major(device) >= 9
+    return _nvidia(device) and capability_major(device) >= 9
 
 
 @functools.lru_cache(maxsize=256)
@@ -317,7 +322,7 @@ def _decode_plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: boo
         constexprs(HEAD_DIM=D, VALUE_DIM=Dv, BLOCK_R=block_r, BLOCK_N=block_n, PAGED=paged, SPLIT=splits > 1,
                    HAS_LEFT=pattern.left >= 0, HAS_RIGHT=pattern.right >= 0,
                    HAS_SINK_TOKENS=pattern.left >= 0 and pattern.sink_tokens > 0, PRECISION=precision,
-                   PTX_WIDEN=fp8 and device.type == "cuda" and torch.version.hip is None, PDL=pdl,
+                   PTX_WIDEN=fp8 and _nvidia(device), PDL=pdl,
                    num_warps=4, num_stages=stages, **cap), combine(splits))
 
 

@@ -51,7 +51,8 @@ HEAD_DIMS = (64,)  # D = Dv served (at 128 the kernel spills)
 MIN_KEYS = 16384
 REGISTERS = 168  # a thread's, the compiler's own count at D 64: twelve one-warp programs an SM (65,536 each)
 MAX_SPLITS = 256
-# keys of a full cache a split walks at most (:func:`splits`): a ragged batch of 64 sequences of up to 32,768 keys
+# keys of a full cache a split walks at most (:func:`splits`; Triton's kernel has its own, decode.SPLIT_KEYS, without
+# the whole waves): a ragged batch of 64 sequences of up to 32,768 keys
 # ran 0.86x its one-wave time in nine splits, its uniform twin 1.02x (benchmarks/NOTES.md, 'Decoding: ragged
 # batches and paged rows')
 SPLIT_KEYS = 4096
