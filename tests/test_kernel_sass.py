@@ -50,16 +50,24 @@ def test_hopper_forward_is_warp_specialised(case, flags):
     """gstar.kernels.hopper (Gluon) compiles for sm_90a: 12 warps (two consumer warpgroups and the producer's),
     every attention loop on the tensor cores (FP8 inputs: Q K^T on the FP8 ones), and no spills on the Triton
     release it is verified on (another release's compiler may allocate differently; gstar does not dispatch to
-    the kernel there)."""
+    the kernel there). Each step waits for its scores while the last block's ``P V`` stays in flight (a wait
+    leaving one product group), and for that product later in the step."""
     result = _run("--case", case, "--hopper", *flags)
     assert result.returncode == 0, result.stderr[-2000:]
     line = next(l for l in result.stdout.splitlines() if l.startswith("_forward_kernel:"))
     assert "12 warps" in line, line
     if hopper.VERIFIED:
         assert re.search(r"spills 0 / 0 bytes", line), line
-    loops = [l for l in result.stdout.splitlines()
+    lines = result.stdout.splitlines()
+    steps = [(l, lines[i + 1]) for i, l in enumerate(lines)
              if "loop of" in l and int(re.search(r"(\d+) MUFU", l).group(1)) > 2]  # not the epilogue
+    loops = [l for l, _ in steps]
     assert loops and all(int(re.search(r"(\d+) HGMMA", l).group(1)) > 0 for l in loops), loops
+    for loop, waits in steps:
+        if int(re.search(r"(\d+) MUFU", loop).group(1)) < 64:  # not a step loop (a tile's 64 x 128 exponentials)
+            continue
+        left = [int(n) for n in re.findall(r"\((\d+) left\)", waits)] if "waits for the products" in waits else []
+        assert 1 in left and 0 in left[left.index(1):], (loop, waits)
     if "--fp8" in flags:  # the main loops' Q K^T (the spans of the epilogue's last P V have none)
         assert sum(bool(re.search(r"HGMMA \(\d+ of them FP8\)", l)) for l in loops) > len(loops) // 2, loops
 
