@@ -329,9 +329,10 @@ def test_gpu_kernel_dense(pattern_id, shape):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_kernel_packed_matches_dense_sequences():
-    _check_packed([130, 1, 0, 77], heads=(8, 2), dim=64, pattern=dict(causal=True, window=(31, 0)), sinks=True,
-                  device="cuda", seed=3)
+@pytest.mark.parametrize("pattern_id", list(PATTERNS))
+def test_gpu_kernel_packed_matches_dense_sequences(pattern_id):
+    pattern, learned = PATTERNS[pattern_id]
+    _check_packed([130, 1, 0, 77], heads=(8, 2), dim=64, pattern=pattern, sinks=learned, device="cuda", seed=3)
 
 
 def _p_accuracy_script():
