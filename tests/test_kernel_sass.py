@@ -59,7 +59,7 @@ def test_hopper_forward_is_warp_specialised(case, flags):
     if hopper.VERIFIED:
         assert re.search(r"spills 0 / 0 bytes", line), line
     lines = result.stdout.splitlines()
-    steps = [(l, lines[i + 1]) for i, l in enumerate(lines)
+    steps = [(l, lines[i + 1] if i + 1 < len(lines) else "") for i, l in enumerate(lines)
              if "loop of" in l and int(re.search(r"(\d+) MUFU", l).group(1)) > 2]  # not the epilogue
     loops = [l for l, _ in steps]
     assert loops and all(int(re.search(r"(\d+) HGMMA", l).group(1)) > 0 for l in loops), loops
