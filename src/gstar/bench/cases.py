@@ -277,17 +277,22 @@ DECODE_PAGE = 64
 STEP_BATCH, STEP_MOST = 64, 32768
 
 
+def _serving_step(family: str) -> list[Case]:
+    """The GPT-OSS-20B serving step (``STEP_BATCH`` caches of ``cache_lengths``), each GPT-OSS layer."""
+    return _gpt_oss(family, STEP_BATCH, STEP_MOST, queries=1, lengths=cache_lengths(STEP_BATCH, STEP_MOST))
+
+
 def _decode_suite() -> list[Case]:
     """The table's shapes and the GPT-OSS-20B step, each pattern, in a contiguous cache then a paged one."""
     table = [c for b, n in DECODE_SHAPES for c in _gpt_oss("decode", b, n, queries=1)]
-    step = _gpt_oss("decode", STEP_BATCH, STEP_MOST, queries=1, lengths=cache_lengths(STEP_BATCH, STEP_MOST))
+    step = _serving_step("decode")
     return table + step + [dataclasses.replace(c, page_size=DECODE_PAGE) for c in table + step]
 
 
 def _fp8_suite() -> list[Case]:
     """Each FP8 case beside the same case in bfloat16: D 128 causal 8k, the GPT-OSS layers, long decode steps and
     the GPT-OSS-20B serving step from a paged cache (these also against an FP8 cache under bfloat16 queries)."""
-    step = _gpt_oss("fp8", STEP_BATCH, STEP_MOST, queries=1, lengths=cache_lengths(STEP_BATCH, STEP_MOST))[0]
+    step = _serving_step("fp8")[0]  # its full-attention layer
     cases = [Case("fp8", 4, 16, 16, 8192, 128, causal=True), *_gpt_oss("fp8", 2, 4096),
              *[c for b, n in DECODE_SHAPES[::2] for c in _gpt_oss("fp8", b, n, queries=1)[:1]],
              dataclasses.replace(step, page_size=DECODE_PAGE)]
