@@ -9,7 +9,7 @@ import torch
 import gstar
 from inputs import make_qkv
 from gstar.accuracy import verdict
-from gstar.kernels import attention_forward, hopper, schedule
+from gstar.kernels import attention_forward, configs, hopper, schedule
 from gstar.pattern import Pattern
 from gstar.reference import naive_attention
 
@@ -53,6 +53,23 @@ def test_serves_packed(nq, causal, expected):
 def test_not_supported_off_the_gpu():
     q = torch.randn(1, 2, 256, 128, dtype=torch.bfloat16)
     assert not hopper.supported(q, q, q, Pattern.make(256, 256, causal=True))
+
+
+def test_sitting_out_says_why(monkeypatch):
+    """On an sm_90 GPU under a Triton release outside hopper.RELEASES, `gstar check` and `gstar bench` say that
+    the Gluon kernels sit out and name the verified releases; on a verified release, another card or the CPU
+    they say nothing."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(configs, "capability_major", lambda device: 9)
+    monkeypatch.setattr(hopper, "VERIFIED", False)
+    note = hopper.sitting_out(cuda)
+    assert "portable kernels run" in note and all(r.rstrip(".") in note for r in hopper.RELEASES), note
+    assert hopper.sitting_out(torch.device("cpu")) is None
+    monkeypatch.setattr(hopper, "VERIFIED", True)
+    assert hopper.sitting_out(cuda) is None
+    monkeypatch.setattr(hopper, "VERIFIED", False)
+    monkeypatch.setattr(configs, "capability_major", lambda device: 8)
+    assert hopper.sitting_out(cuda) is None
 
 
 def _oracle(q, k, v, sinks, pattern, dtype):

@@ -238,6 +238,9 @@ def run(args) -> int:
     if cuda:
         console.print(escape(f"gstar bench on {env['card']} (driver {env['driver']}, CUDA {env['cuda']}, "
                              f"torch {env['torch']}, triton {env['triton']})"))
+        from ..kernels.hopper import sitting_out
+        if note := sitting_out(device):
+            console.print(f"[yellow]{escape(note)}")
     else:
         shapes = ", the suite at reduced shapes" if reduced else ""
         console.print(f"[yellow]No GPU: gstar runs its tiled PyTorch path{shapes}. CPU timings are indicative "

@@ -113,7 +113,10 @@ def run(args) -> int:
             return 2
     env = environment(torch.device(device))
     if cuda:
+        from ..kernels.hopper import sitting_out
         console.print(f"gstar check on {escape(env['card'])} (torch {env['torch']}, triton {env['triton']})")
+        if note := sitting_out(torch.device(device)):
+            console.print(f"[yellow]{escape(note)}")
     else:
         kernels = args.backend == "triton" and impl is None
         console.print("[yellow]No GPU: reduced shapes (float16/float32). "

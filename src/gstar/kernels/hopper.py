@@ -512,6 +512,16 @@ def _on_hopper(q: torch.Tensor) -> bool:
     return VERIFIED and q.is_cuda and configs.capability_major(q.device) == 9
 
 
+def sitting_out(device: torch.device) -> str | None:
+    """Why the Gluon kernels do not run on this sm_90 GPU (a Triton release outside ``RELEASES``), for the CLI
+    to say so; None when they run or the device is no Hopper GPU."""
+    if VERIFIED or device.type != "cuda" or configs.capability_major(device) != 9:
+        return None
+    verified = ", ".join(r.rstrip(".") for r in RELEASES)
+    return (f"triton {triton.__version__} is not a release the Hopper kernels are verified on ({verified}): "
+            "the portable kernels run, slower on full and causal layers (docs/hopper.md)")
+
+
 def _walks(dtype: torch.dtype, pattern: Pattern, packed: bool) -> bool:
     """Whether a call's programs walk their items persistently: dense 16-bit full attention, whose items are
     equal (FP8's walk, its output in a slot of its own, was 8-10% slower than its per-item grid: NOTES)."""
