@@ -50,7 +50,7 @@ def test_hopper_forward_is_warp_specialised(case, flags):
     """gstar.kernels.hopper (Gluon) compiles for sm_90a: 12 warps (two consumer warpgroups and the producer's),
     every attention loop on the tensor cores (FP8 inputs: Q K^T on the FP8 ones), and no spills on the Triton
     release its register budget was set on (``hopper.TUNED``; another release's compiler allocates differently:
-    3.9 spills a few bytes). Each step waits for its scores while the last block's ``P V`` stays in flight (a wait
+    3.9's spills 4-44 bytes). Each step waits for its scores while the last block's ``P V`` stays in flight (a wait
     leaving one product group), and for that product later in the step."""
     result = _run("--case", case, "--hopper", *flags)
     assert result.returncode == 0, result.stderr[-2000:]
