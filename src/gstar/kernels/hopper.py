@@ -507,15 +507,19 @@ def _full_or_causal(dtype: torch.dtype, head_dim: int, value_dim: int, pattern: 
             and pattern.right in (-1, 0))
 
 
+def _sm90(device: torch.device) -> bool:
+    return device.type == "cuda" and configs.capability_major(device) == 9
+
+
 def _on_hopper(q: torch.Tensor) -> bool:
     """A ``VERIFIED`` Triton and q on an sm_90 GPU."""
-    return VERIFIED and q.is_cuda and configs.capability_major(q.device) == 9
+    return VERIFIED and _sm90(q.device)
 
 
 def sitting_out(device: torch.device) -> str | None:
     """Why the Gluon kernels do not run on this sm_90 GPU (a Triton release outside ``RELEASES``), for the CLI
     to say so; None when they run or the device is no Hopper GPU."""
-    if VERIFIED or device.type != "cuda" or configs.capability_major(device) != 9:
+    if VERIFIED or not _sm90(device):
         return None
     verified = ", ".join(r.rstrip(".") for r in RELEASES)
     return (f"triton {triton.__version__} is not a release the Hopper kernels are verified on ({verified}): "
