@@ -28,7 +28,8 @@ hopper_only = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100 / 
     (torch.float32, 128, 128, 256, True, (-1, -1), False),
     (torch.bfloat16, 64, 64, hopper.HEAD_DIMS[64], True, (-1, -1), True),
     (torch.bfloat16, 64, 64, hopper.HEAD_DIMS[64] - 1, True, (-1, -1), False),  # below D 64's least length
-    (torch.bfloat16, 64, 64, 128, False, (-1, -1), True),      # dense full attention walks from one tile
+    (torch.bfloat16, 64, 64, hopper.block_m(64), False, (-1, -1), True),  # dense full attention walks from one tile
+    (torch.bfloat16, 64, 64, hopper.block_m(64) - 1, False, (-1, -1), False),  # (of 192 rows: three consumers)
     (torch.bfloat16, 96, 96, 8192, True, (-1, -1), False),     # a head dim off the table
     (hopper.FP8, 128, 128, 256, True, (-1, -1), 128 in hopper.FP8_HEAD_DIMS),
     (hopper.FP8, 64, 64, 256, False, (-1, -1), 64 in hopper.FP8_HEAD_DIMS),

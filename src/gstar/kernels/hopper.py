@@ -1,13 +1,14 @@
-"""The Hopper (sm_90) forward kernel, warp-specialised, in Gluon: one producer warp and two consumer
-warpgroups per program, the schedule of FlashAttention-3 (docs/hopper.md draws it).
+"""The Hopper (sm_90) forward kernel, warp-specialised, in Gluon: one producer warp and ``CONSUMERS``
+consumer warpgroups per program (two at head dim 128, three at 64), the schedule of FlashAttention-3
+(docs/hopper.md draws it).
 
-A program owns a 128-row Q tile of one query head (of one sequence, when packed). The producer warp copies
-the tile's Q (two 64-row halves), then each visible K and V block, into rings of ``STAGES`` shared-memory
-slots with the tensor-memory copy engine (TMA), each copy completing on its slot's ``ready`` barrier. Each
-consumer warpgroup owns one 64-row half; per block it issues Q K^T (``warpgroup_mma``, both operands in shared
-memory) and then the previous block's P V (P from registers), waits for the scores alone and runs the softmax
-while the tensor cores compute that product; it frees a slot by arriving on its ``empty`` barrier (two
-arrivals, one per warpgroup) once the product that read it has completed.
+A program owns a Q tile of 64 rows per consumer of one query head (of one sequence, when packed). The producer
+warp copies the tile's Q (one 64-row part per consumer), then each visible K and V block, into rings of
+``STAGES`` shared-memory slots with the tensor-memory copy engine (TMA), each copy completing on its slot's
+``ready`` barrier. Each consumer warpgroup owns one 64-row part; per block it issues Q K^T (``warpgroup_mma``,
+both operands in shared memory) and then the previous block's P V (P from registers), waits for the scores
+alone and runs the softmax while the tensor cores compute that product; it frees a slot by arriving on its
+``empty`` barrier (one arrival per consumer) once the product that read it has completed.
 
 Dense full attention walks its tiles persistently: one program per SM, each taking the items (tile, head, batch)
 of :func:`_work_item` in turn, its Q ring of two slots letting the next item's Q land during this one's last
@@ -49,19 +50,35 @@ from .ranges import kv_range, sequence_bounds
 
 LOG2E = gl.constexpr(math.log2(math.e))
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup: wgmma's M
-BLOCK_M = gl.constexpr(128)  # rows per program: two consumers
 BLOCK_N = gl.constexpr(128)  # keys per block
 STAGES = gl.constexpr(2)  # K and V slots each: 2 x 2 x 32 KB at D = 128, beside 2 x 32 KB of Q
+# head dim -> consumer warpgroups per program. At D = 64 the softmax sets a step's pace, and a third consumer
+# gives each warpgroup's softmax two others' products to hide under: 3-8% faster than two on the GPT-OSS layers
+# from 8k queries (NOTES, 'Three consumers with P packed in words'). At D = 128 three do not fit the registers.
+CONSUMERS = {64: 3, 128: 2}
+
+
+def block_m(head_dim: int) -> int:
+    """Query rows per program (a Q tile) at this head dim: 64 per consumer warpgroup."""
+    return ROWS.value * CONSUMERS[head_dim]
+
+
+def _registers(consumers: int) -> tuple[int, int]:
+    """``(per consumer thread, at launch)``: the register file (64K) shared by the consumer warpgroups and the
+    producer's (24 a thread), and spread evenly over all of them at launch; multiples of 8, as setmaxnreg takes."""
+    return (65536 - 128 * 24) // (128 * consumers) // 8 * 8, 65536 // (128 * (consumers + 1)) // 8 * 8
+
+
 # head dim (D = Dv) -> the least query length (the longest sequence's, when packed) from which this kernel's
 # per-item grid (causal and packed calls; dense full attention walks, see serves) beat the portable one on an
-# H200 (NOTES, 'Warp-specialised forward on Hopper', 'Where the Hopper forward's time goes'): at D = 64 it is
-# 1-6% faster from 8k queries, 1-4% slower at 4k, where the portable kernel's two resident programs per SM
-# hide its softmax as well
-HEAD_DIMS = {128: BLOCK_M.value, 64: 8192}
+# H200 (NOTES, 'Warp-specialised forward on Hopper', 'Three consumers with P packed in words'): at D = 64,
+# with three consumers, 7% faster at 8k queries, 5% slower at 4k, where the portable kernel's two resident
+# programs per SM hide its softmax as well
+HEAD_DIMS = {128: block_m(128), 64: 8192}
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 # the same table for the FP8 path (Q K^T on FP8 tensor cores, P V in bfloat16) against the portable kernel's
 # FP8 forward (NOTES, 'FP8 forward on the Hopper kernel'); at D = 64 the portable one is 0-12% faster
-FP8_HEAD_DIMS = {128: BLOCK_M.value}
+FP8_HEAD_DIMS = {128: block_m(128)}
 _GL_ALL = {**_GL_DTYPES, FP8: gl.float8e4nv, torch.float32: gl.float32}  # every tile's element type
 # Triton releases on which the Gluon kernels (this one, the fused backward, the FP8 decode) passed the GPU tests:
 # Gluon changes from release to release, and on others they compile but the dispatcher keeps the portable kernels.
@@ -78,8 +95,8 @@ _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_globa
 
 @aggregate
 class Shared:
-    """A program's shared memory, by name. Tiles: ``q`` (pairs of 64-row halves, one pair per Q slot), ``k``,
-    ``v`` (rings of STAGES blocks of BLOCK_N x D), ``o`` (the output's halves: ``q`` itself, or FP8's pair of
+    """A program's shared memory, by name. Tiles: ``q`` (a 64-row part per consumer for each Q slot), ``k``,
+    ``v`` (rings of STAGES blocks of BLOCK_N x D), ``o`` (the output's parts: ``q`` itself, or FP8's one set of
     its own). Barriers: ``q_ready``, ``q_empty`` per Q slot; ``k_ready``, ``k_empty``, ``v_ready``, ``v_empty``
     per ring slot (:func:`_ring_barriers`)."""
     q: gl.shared_memory_descriptor
@@ -124,7 +141,7 @@ class WorkItem:
 
 @aggregate
 class Walk:
-    """The work items a grid covers: ``n_tiles`` Q tiles of BLOCK_M rows (the longest sequence's, when packed)
+    """The work items a grid covers: ``n_tiles`` Q tiles of ``BLOCK_M`` rows (the longest sequence's, when packed)
     x ``Hq`` heads x ``seqs`` sequences. Dense: ``CuQ``, ``CuK`` None, every sequence ``Nq`` queries and ``Nk``
     keys; packed: ``CuQ``, ``CuK`` (seqs + 1,) int32, the sequences' bounds (:func:`sequence_bounds`)."""
     CuQ: base_value
@@ -134,9 +151,11 @@ class Walk:
     Hq: base_value
     n_tiles: base_value
     seqs: base_value
+    BLOCK_M: gl.constexpr
 
     @constexpr_function
-    def __init__(self, CuQ, CuK, Nq, Nk, Hq, n_tiles, seqs):
+    def __init__(self, CuQ, CuK, Nq, Nk, Hq, n_tiles, seqs, BLOCK_M):
+        self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.CuQ, self.CuK = (gl.constexpr(None) if cu is None else cu for cu in (CuQ, CuK))  # None: a constant
         self.Nq, self.Nk = Nq, Nk
         self.Hq, self.n_tiles, self.seqs = Hq, n_tiles, seqs
@@ -145,20 +164,20 @@ class Walk:
 @aggregate
 class Flags:
     """The constants a warp's work items take: the pattern's (``HAS_LEFT``, ``HAS_RIGHT``, ``HAS_SINK_TOKENS``),
-    and a consumer's ``HEAD_DIM`` and ``half`` (which 64 rows of each tile it owns). The producer needs the
+    and a consumer's ``HEAD_DIM`` and ``part`` (which 64 rows of each tile it owns). The producer needs the
     two bounds only (the rest default). Fields of an aggregate stay constants, where a tuple of values would
     make them runtime values."""
     HAS_LEFT: gl.constexpr
     HAS_RIGHT: gl.constexpr
     HAS_SINK_TOKENS: gl.constexpr
     HEAD_DIM: gl.constexpr
-    half: gl.constexpr
+    part: gl.constexpr
 
     @constexpr_function
-    def __init__(self, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS=False, HEAD_DIM=0, half=0):
+    def __init__(self, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS=False, HEAD_DIM=0, part=0):
         self.HAS_LEFT, self.HAS_RIGHT, self.HAS_SINK_TOKENS = (gl.constexpr(HAS_LEFT), gl.constexpr(HAS_RIGHT),
                                                               gl.constexpr(HAS_SINK_TOKENS))
-        self.HEAD_DIM, self.half = gl.constexpr(HEAD_DIM), gl.constexpr(half)
+        self.HEAD_DIM, self.part = gl.constexpr(HEAD_DIM), gl.constexpr(part)
 
 
 @gluon.jit
@@ -192,7 +211,7 @@ def _work_item(r, walk, TILES_FASTEST: gl.constexpr, PERSISTENT: gl.constexpr):
         valid = True
     q_start, Nq = sequence_bounds(walk.CuQ, b, walk.Nq, VARLEN)
     k_start, Nk = sequence_bounds(walk.CuK, b, walk.Nk, VARLEN)
-    row0 = tile * BLOCK_M
+    row0 = tile * walk.BLOCK_M
     batch = b
     if VARLEN:
         batch = 0  # one packed batch row; the sequence is found through CuQ and CuK
@@ -207,7 +226,8 @@ def _rounds(walk):
 
 
 @gluon.jit
-def _block_range(row0, Nq, Nk, left, right, sink_tokens, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+def _block_range(row0, Nq, Nk, left, right, sink_tokens, BLOCK_M: gl.constexpr, HAS_LEFT: gl.constexpr,
+                 HAS_RIGHT: gl.constexpr):
     """The tile's steps: ``(n_sink, band_start, lead_end, full_end, n)``: step ``i`` visits block ``i`` while
     ``i < n_sink`` (the sink-token blocks), then block ``i - n_sink + band_start``; steps ``[lead_end,
     full_end)`` are the band's unmasked interior; ``n`` steps in all."""
@@ -218,14 +238,14 @@ def _block_range(row0, Nq, Nk, left, right, sink_tokens, HAS_LEFT: gl.constexpr,
 
 
 @gluon.jit
-def _ring_barriers(slots: gl.constexpr):
+def _ring_barriers(slots: gl.constexpr, consumers: gl.constexpr = 2):
     """The initialised ``ready`` and ``empty`` barriers of a ring of ``slots`` slots: ``ready`` completes on
-    the producer's expect and the copy's bytes, ``empty`` on one arrival per consumer warpgroup."""
+    the producer's expect and the copy's bytes, ``empty`` on one arrival per consumer warpgroup (``consumers``)."""
     ready = gl.allocate_shared_memory(gl.int64, [slots, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [slots, 1], mbarrier.MBarrierLayout())
     for slot in gl.static_range(slots):
         mbarrier.init(ready.index(slot), count=1)
-        mbarrier.init(empty.index(slot), count=2)
+        mbarrier.init(empty.index(slot), count=consumers)
     return ready, empty
 
 
@@ -249,13 +269,15 @@ def _produce(item, c, t, args, flags):
     left, right, sink_tokens = pattern
     batch, h, row0 = item.batch, item.h, item.row0
     slot = t % shared.q_ready.shape[0]
+    PARTS: gl.constexpr = shared.q.shape[0] // shared.q_ready.shape[0]
     mbarrier.wait(shared.q_empty.index(slot), ((t // shared.q_ready.shape[0]) & 1) ^ 1)
-    mbarrier.expect(shared.q_ready.index(slot), 2 * q_desc.block_type.nbytes)
+    mbarrier.expect(shared.q_ready.index(slot), PARTS * q_desc.block_type.nbytes)
     q_row = item.q_start + row0
-    _tma_load(q_desc, [batch, h, q_row, 0], shared.q_ready.index(slot), shared.q.index(2 * slot))
-    _tma_load(q_desc, [batch, h, q_row + ROWS, 0], shared.q_ready.index(slot), shared.q.index(2 * slot + 1))
+    for part in gl.static_range(PARTS):
+        _tma_load(q_desc, [batch, h, q_row + part * ROWS, 0], shared.q_ready.index(slot),
+                  shared.q.index(PARTS * slot + part))
     n_sink, band_start, lead_end, full_end, n = _block_range(row0, item.Nq, item.Nk, left, right, sink_tokens,
-                                                             flags.HAS_LEFT, flags.HAS_RIGHT)
+                                                             PARTS * ROWS, flags.HAS_LEFT, flags.HAS_RIGHT)
     for i in range(n):
         start = item.k_start + gl.where(i < n_sink, i, i - n_sink + band_start) * BLOCK_N
         _ring_load(k_desc, [batch, h // group, start, 0], shared.k, shared.k_ready, shared.k_empty, c + i)
@@ -310,10 +332,30 @@ def _issue_values(p, acc, shared, i):
 
 
 @gluon.jit
+def _carry(p, shared):
+    """Step i's weights P (64, BLOCK_N) float32 in the form they wait in for step i+1's ``P V``: rounded to V's
+    dtype (16 bits) as (64, BLOCK_N // 2) int32, each two neighbouring columns in one word, the very registers
+    ``P V`` reads. Made inside the softmax, they let the next step issue ``P V`` right after its scores, and take
+    half of float32's registers while they wait, which lets three consumers fit at D = 64. (A 16-bit tensor
+    across the loop cost two byte permutes a pair each step.) FP8 scores keep P in float32, rounded at the issue:
+    their shorter ``Q K^T`` leaves the softmax setting the pace, and the rounding inside it cost 2%
+    (benchmarks/NOTES.md, 'Three consumers with P packed in words')."""
+    if shared.q.dtype.primitive_bitwidth > 8:
+        lo, hi = p.reshape([p.shape[0], p.shape[1] // 2, 2]).split()  # (64, BLOCK_N // 2): even, odd columns
+        CVT: gl.constexpr = "cvt.rn.f16x2.f32" if shared.v.dtype == gl.float16 else "cvt.rn.bf16x2.f32"
+        p = gl.inline_asm_elementwise(CVT + " $0, $2, $1;", "=r,f,f", [lo, hi], dtype=gl.int32, is_pure=True,
+                                      pack=1)
+    return p
+
+
+@gluon.jit
 def _operand(p, acc, dtype: gl.constexpr):
-    """P (64, BLOCK_N) float32 as the register A operand of ``P V`` into ``acc``. P stays float32 between
-    steps: carried in the operand's packed 16-bit layout across the loop, it cost two byte permutes per
-    register every step (benchmarks/NOTES.md)."""
+    """P as the register A operand (rows, BLOCK_N) in ``dtype`` of a product into ``acc``: from the words of
+    :func:`_carry`, or from float32 (FP8's P, the backward's operands)."""
+    if p.dtype == gl.int32:  # each word's halves, joined back: the same registers
+        lo, hi = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [p], dtype=(dtype.value, dtype.value),
+                                           is_pure=True, pack=1)
+        p = gl.join(lo, hi).reshape([p.shape[0], 2 * p.shape[1]])  # (rows, BLOCK_N)
     return gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2))
 
 
@@ -322,7 +364,7 @@ def _steps(q, shared, item, pattern, flags, c, lo, hi, n_sink, band_start, acc, 
            MASKED: gl.constexpr, MAY_BE_EMPTY: gl.constexpr):
     """Steps ``[lo, hi)`` of work item ``item`` (a :class:`WorkItem`; pattern, flags: as :func:`_tile` takes
     them) whose step 0 is the program's step ``c`` (the rings' index), each ``i`` entered with step i-1's
-    weights ``p`` (float32, not yet multiplied): issue ``Q K_i^T``, then ``P_{i-1} V_{i-1}`` (P in V's dtype);
+    weights ``p`` (as :func:`_carry` left them, not yet multiplied): issue ``Q K_i^T``, then ``P_{i-1} V_{i-1}``;
     wait for the scores alone (one group may stay in flight), free K_i, run the softmax while the product
     runs, wait for it, free V_{i-1}, rescale the accumulator."""
     left, right, sink_tokens = pattern
@@ -338,6 +380,7 @@ def _steps(q, shared, item, pattern, flags, c, lo, hi, n_sink, band_start, acc, 
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, rows, cols, qk_scale, item.Nq, item.Nk, left, right,
                                           sink_tokens, flags.HAS_LEFT, flags.HAS_RIGHT, flags.HAS_SINK_TOKENS, MASKED,
                                           MAY_BE_EMPTY)
+        p = _carry(p, shared)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(shared.v_empty.index((c + i - 1) % STAGES), count=1)
         acc = acc * gl.convert_layout(alpha, acc_rows)[:, None]
@@ -355,9 +398,9 @@ def _free_last_output(t, shared):
 @gluon.jit
 def _tile(item, c, t, args, flags):
     """One warpgroup's share of work item t (a :class:`WorkItem`), its step 0 the program's
-    step ``c``: rows ``row0 + half * 64 ...`` of the tile, from Q in slot ``t % slots`` to the output and the
+    step ``c``: rows ``row0 + part * 64 ...`` of the tile, from Q in slot ``t % slots`` to the output and the
     natural-log LSE; returns the item's step count. Dense (Out None): the output leaves through the
-    warpgroup's half of the Q slot (FP8: a slot of its own) and a TMA store, which clips rows past Nq and is
+    warpgroup's part of the Q slot (FP8: a slot of its own) and a TMA store, which clips rows past Nq and is
     waited for one item later. Packed: masked stores to Out, since the rows past this sequence's end are the
     next sequence's. args, flags: as :func:`_consumer` passes them (the descales and stride_ds as
     :func:`_forward_kernel` takes them; q's and k's descales join qk_scale here)."""
@@ -367,7 +410,7 @@ def _tile(item, c, t, args, flags):
     HAS_RIGHT: gl.constexpr = flags.HAS_RIGHT
     HAS_SINK_TOKENS: gl.constexpr = flags.HAS_SINK_TOKENS
     HEAD_DIM: gl.constexpr = flags.HEAD_DIM
-    half: gl.constexpr = flags.half
+    part: gl.constexpr = flags.part
     left, right, sink_tokens = pattern
     batch, b, h, row0, q_start, Nq, Nk = item.batch, item.b, item.h, item.row0, item.q_start, item.Nq, item.Nk
     K_STEP: gl.constexpr = 256 // shared.q.dtype.primitive_bitwidth  # what one wgmma reduces: 32 bytes
@@ -379,11 +422,12 @@ def _tile(item, c, t, args, flags):
     MAY_BE_EMPTY: gl.constexpr = Sinks is None
 
     qk_scale, _ = load_descales(QDescale, KDescale, None, b, h // group, stride_ds, qk_scale)  # FP8: into the scale
-    n_sink, band_start, lead_end, full_end, n = _block_range(row0, Nq, Nk, left, right, sink_tokens,
-                                                             HAS_LEFT, HAS_RIGHT)
     Q_SLOTS: gl.constexpr = shared.q_ready.shape[0]
-    q = shared.q.index(2 * (t % Q_SLOTS) + half).reshape([ROWS, HEAD_DIM])
-    rows = row0 + half * ROWS + gl.arange(0, ROWS, layout=row_layout)  # (64,) query positions
+    PARTS: gl.constexpr = shared.q.shape[0] // Q_SLOTS
+    n_sink, band_start, lead_end, full_end, n = _block_range(row0, Nq, Nk, left, right, sink_tokens,
+                                                             PARTS * ROWS, HAS_LEFT, HAS_RIGHT)
+    q = shared.q.index(PARTS * (t % Q_SLOTS) + part).reshape([ROWS, HEAD_DIM])
+    rows = row0 + part * ROWS + gl.arange(0, ROWS, layout=row_layout)  # (64,) query positions
     if Sinks is not None:  # exp2(m) * l = exp(sink): the sink starts the sum, with no value to carry
         m_i = gl.load(Sinks + h + rows * 0) * LOG2E
         l_i = gl.full([ROWS], 1.0, gl.float32, layout=row_layout)
@@ -403,6 +447,7 @@ def _tile(item, c, t, args, flags):
         cols = first * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, rows, cols, qk_scale, Nq, Nk, left, right, sink_tokens,
                                           HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, True, MAY_BE_EMPTY)
+        p = _carry(p, shared)
         # the sink-token blocks and the band's leading edge, its interior, its trailing edge
         bounds = (1, lead_end, full_end, n)
         for segment in gl.static_range(3):
@@ -422,11 +467,11 @@ def _tile(item, c, t, args, flags):
     rows = gl.convert_layout(rows, acc_rows)
     gl.store(Lse + batch * stride_lse[0] + h * stride_lse[1] + q_start + rows, lse, mask=rows < Nq)
     if Out is None:
-        O_SLOTS: gl.constexpr = shared.o.shape[0] // 2  # pairs of output halves: Q's ring, or FP8's one pair
-        o_slot = shared.o.index(2 * (t % O_SLOTS) + half)
+        O_SLOTS: gl.constexpr = shared.o.shape[0] // PARTS  # output parts: Q's ring, or FP8's one set
+        o_slot = shared.o.index(PARTS * (t % O_SLOTS) + part)
         o_slot.reshape([ROWS, HEAD_DIM]).store(out.to(o_desc.dtype))
         fence_async_shared()
-        _tma_store(o_desc, [batch, h, q_start + row0 + half * ROWS, 0], o_slot)
+        _tma_store(o_desc, [batch, h, q_start + row0 + part * ROWS, 0], o_slot)
     else:
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # (D,)
         offsets = h * stride_o[0] + (q_start + rows).to(gl.int64) * stride_o[1]  # (64,)
@@ -435,14 +480,11 @@ def _tile(item, c, t, args, flags):
 
 
 @gluon.jit
-def _consumer(o_desc, Out, Lse, Sinks, QDescale, KDescale, VDescale, shared, walk, half: gl.constexpr, group, pattern,
-              qk_scale, stride_ds, stride_o, stride_lse, HEAD_DIM: gl.constexpr, HAS_LEFT: gl.constexpr,
-              HAS_RIGHT: gl.constexpr, HAS_SINK_TOKENS: gl.constexpr, PERSISTENT: gl.constexpr):
-    """One warpgroup (``half`` of each tile's rows): every work item of the program (:func:`_tile`)."""
-    _walk(_tile, (o_desc, Out, Lse, Sinks, QDescale, KDescale, VDescale, shared, group, pattern, qk_scale, stride_ds,
-                  stride_o, stride_lse),
-          Flags(HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT, HAS_SINK_TOKENS=HAS_SINK_TOKENS, HEAD_DIM=HEAD_DIM,
-                half=half), walk, PERSISTENT)
+def _consumer(args, walk, flags, part: gl.constexpr, PERSISTENT: gl.constexpr):
+    """One warpgroup (``part``: which 64 rows of each tile it owns): every work item of the program
+    (:func:`_tile`, which takes ``args``; flags: a :class:`Flags` without its ``part``)."""
+    _walk(_tile, args, Flags(HAS_LEFT=flags.HAS_LEFT, HAS_RIGHT=flags.HAS_RIGHT, HAS_SINK_TOKENS=flags.HAS_SINK_TOKENS,
+                             HEAD_DIM=flags.HEAD_DIM, part=part), walk, PERSISTENT)
     tma.store_wait(0)  # the last output read out of shared memory before the program ends
 
 
@@ -452,14 +494,16 @@ def _consumer(o_desc, Out, Lse, Sinks, QDescale, KDescale, VDescale, shared, wal
 def _forward_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sinks, QDescale, KDescale, VDescale, CuQ, CuK, Nq, Nk,
                     Hq, group, n_tiles, seqs, left, right, sink_tokens, qk_scale, stride_ds, stride_o, stride_lse,
                     HEAD_DIM: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                    HAS_SINK_TOKENS: gl.constexpr, PERSISTENT: gl.constexpr):
+                    HAS_SINK_TOKENS: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr,
+                    REGS: gl.constexpr):
     """Grid ``(P,)``, each program walking the work items ``(tile, head, sequence)`` of :func:`_work_item`
-    (``n_tiles`` tiles of 128 query rows, ``Hq`` heads, ``seqs`` sequences): PERSISTENT, one program per SM;
-    else one per item (P = their count).
+    (``n_tiles`` tiles of 64 query rows per consumer, ``Hq`` heads, ``seqs`` sequences): PERSISTENT, one program
+    per SM; else one per item (P = their count). CONSUMERS: the consumer warpgroups, REGS the registers of each
+    of their threads.
 
     Dense (CuQ, CuK, Out None): q_desc, o_desc: descriptors over (B, Hq, Nq, D) moving (1, 1, 64, D) tiles;
     k_desc, v_desc: over (B, Hkv, Nk, D) moving (1, 1, BLOCK_N, D); Lse: (B, Hq, Nq) float32, unit row stride;
-    n_tiles = cdiv(Nq, 128). Packed (CuQ, CuK: (B + 1,) int32): sequence s has rows
+    n_tiles = cdiv(Nq, 64 * CONSUMERS). Packed (CuQ, CuK: (B + 1,) int32): sequence s has rows
     ``CuQ[s] .. CuQ[s + 1]`` of the (1, Hq, total_q, D) view under q_desc and keys ``CuK[s] .. CuK[s + 1]``
     of k_desc's and v_desc's (1, Hkv, total_k, D) views; Out: that (1, Hq, total_q, D) view (o_desc
     unused), ``stride_o`` its (head, row) strides; Lse: (1, Hq, total_q); n_tiles covers the longest
@@ -471,33 +515,38 @@ def _forward_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sinks, QDescale, K
     VDescale and ``stride_ds`` the descales as :func:`gstar.kernels.forward.load_descales` takes them; q's and
     k's join qk_scale, v's multiplies the output. Else the three are None.
     """
-    # Q slots (pairs of 64-row halves): a persistent program's next item lands while this one's last steps run
+    # Q slots (a 64-row part per consumer): a persistent program's next item lands while this one's last steps run
     Q_SLOTS: gl.constexpr = 2 if PERSISTENT else 1
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * Q_SLOTS] + q_desc.block_type.shape, q_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS * Q_SLOTS] + q_desc.block_type.shape, q_desc.layout)
     o_smem = q_smem  # the output leaves through Q's slots, or (FP8 queries) slots of its own
     if q_desc.dtype != o_desc.dtype:
-        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_ready, q_empty = _ring_barriers(Q_SLOTS)
-    k_ready, k_empty = _ring_barriers(STAGES)
-    v_ready, v_empty = _ring_barriers(STAGES)
+    q_ready, q_empty = _ring_barriers(Q_SLOTS, CONSUMERS)
+    k_ready, k_empty = _ring_barriers(STAGES, CONSUMERS)
+    v_ready, v_empty = _ring_barriers(STAGES, CONSUMERS)
 
     shared = Shared(q=q_smem, k=k_smem, v=v_smem, o=o_smem, q_ready=q_ready, q_empty=q_empty, k_ready=k_ready,
                     k_empty=k_empty, v_ready=v_ready, v_empty=v_empty)
-    walk = Walk(CuQ=CuQ, CuK=CuK, Nq=Nq, Nk=Nk, Hq=Hq, n_tiles=n_tiles, seqs=seqs)
+    walk = Walk(CuQ=CuQ, CuK=CuK, Nq=Nq, Nk=Nk, Hq=Hq, n_tiles=n_tiles, seqs=seqs, BLOCK_M=CONSUMERS * ROWS)
     pattern = (left, right, sink_tokens)
-    # the default partition (this program's 4 warps) and a second 4-warp partition consume; a 1-warp
-    # partition produces. Registers per thread: 240 for consumers, 24 for the producer (launch's maxnreg)
-    gl.warp_specialize([
-        (_consumer, (o_desc, Out, Lse, Sinks, QDescale, KDescale, VDescale, shared, walk, 0, group, pattern,
-                     qk_scale, stride_ds, stride_o, stride_lse, HEAD_DIM, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
-                     PERSISTENT)),
-        (_consumer, (o_desc, Out, Lse, Sinks, QDescale, KDescale, VDescale, shared, walk, 1, group, pattern,
-                     qk_scale, stride_ds, stride_o, stride_lse, HEAD_DIM, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
-                     PERSISTENT)),
-        (_producer, (q_desc, k_desc, v_desc, shared, walk, group, pattern, HAS_LEFT, HAS_RIGHT, PERSISTENT)),
-    ], [4, 1], [240, 24])
+    args = (o_desc, Out, Lse, Sinks, QDescale, KDescale, VDescale, shared, group, pattern, qk_scale, stride_ds,
+            stride_o, stride_lse)
+    flags = Flags(HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT, HAS_SINK_TOKENS=HAS_SINK_TOKENS, HEAD_DIM=HEAD_DIM)
+    # the default partition (this program's 4 warps) and one or two more of 4 warps consume; a 1-warp partition
+    # produces, with 24 registers a thread; REGS for each consumer (:func:`_registers`)
+    if CONSUMERS == 3:
+        gl.warp_specialize([(_consumer, (args, walk, flags, 0, PERSISTENT)),
+                            (_consumer, (args, walk, flags, 1, PERSISTENT)),
+                            (_consumer, (args, walk, flags, 2, PERSISTENT)),
+                            (_producer, (q_desc, k_desc, v_desc, shared, walk, group, pattern, HAS_LEFT, HAS_RIGHT,
+                                         PERSISTENT))], [4, 4, 1], [REGS, REGS, 24])
+    else:
+        gl.warp_specialize([(_consumer, (args, walk, flags, 0, PERSISTENT)),
+                            (_consumer, (args, walk, flags, 1, PERSISTENT)),
+                            (_producer, (q_desc, k_desc, v_desc, shared, walk, group, pattern, HAS_LEFT, HAS_RIGHT,
+                                         PERSISTENT))], [4, 1], [REGS, 24])
 
 
 def _full_or_causal(dtype: torch.dtype, head_dim: int, value_dim: int, pattern: Pattern, head_dims) -> bool:
@@ -543,7 +592,7 @@ def serves(dtype: torch.dtype, head_dim: int, value_dim: int, pattern: Pattern, 
     else:
         table = HEAD_DIMS
     return (_full_or_causal(dtype, head_dim, value_dim, pattern, table)
-            and pattern.nq >= (BLOCK_M.value if walks else max(BLOCK_M.value, table[head_dim])))
+            and pattern.nq >= (block_m(head_dim) if walks else max(block_m(head_dim), table[head_dim])))
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern, packed: bool = False) -> bool:
@@ -578,7 +627,8 @@ def forward(q, k, v, sinks, out, lse, pattern: Pattern, scale: float, cu_seqlens
     B, Hq, _, D = q.shape
     cu_q, cu_k = cu_seqlens or (None, None)
     seqs = B if cu_q is None else cu_q.shape[0] - 1
-    tiles = cdiv(pattern.nq, BLOCK_M.value)
+    consumers = CONSUMERS[D]
+    tiles = cdiv(pattern.nq, block_m(D))
     has_left, has_right = pattern.left >= 0, pattern.right >= 0
     items = tiles * Hq * seqs
     # dense full attention: one program per SM (one fits: registers) walking items of equal work, each item's
@@ -590,10 +640,11 @@ def forward(q, k, v, sinks, out, lse, pattern: Pattern, scale: float, cu_seqlens
     else:
         grid = (tiles, Hq, seqs) if tiles_fastest(has_left, has_right) else (Hq, tiles, seqs)
     descales, descale_strides = descale_args(descale)
+    regs, launch_regs = _registers(consumers)
     _forward_kernel[grid](
         _descriptor(q, ROWS.value), _descriptor(k, BLOCK_N.value), _descriptor(v, BLOCK_N.value),
         _descriptor(out, ROWS.value), None if cu_q is None else out, lse, sinks, *descales, cu_q, cu_k, q.shape[2],
         k.shape[2], Hq, Hq // k.shape[1], tiles, seqs, max(pattern.left, 0), max(pattern.right, 0), pattern.sink_tokens,
         scale * LOG2E.value, descale_strides, (out.stride(1), out.stride(2)), (lse.stride(0), lse.stride(1)),
         HEAD_DIM=D, HAS_LEFT=has_left, HAS_RIGHT=has_right, HAS_SINK_TOKENS=pattern.sink_tokens > 0,
-        PERSISTENT=persistent, num_warps=4, maxnreg=168)
+        PERSISTENT=persistent, CONSUMERS=consumers, REGS=regs, num_warps=4, maxnreg=launch_regs)
