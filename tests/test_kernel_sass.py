@@ -47,11 +47,12 @@ def test_gpt_oss_kernels_compile_without_spills(case, flags, kernels):
                                         ("D128 full", ["--fp8", "--varlen"]),
                                         ("N8192 H64/8 D64 causal", [])])  # GPT-OSS at 8k: D 64 from 8k queries
 def test_hopper_forward_is_warp_specialised(case, flags):
-    """gstar.kernels.hopper (Gluon) compiles for sm_90a: a warpgroup per consumer (``hopper.CONSUMERS``: two at
-    D 128, three at D 64) and the producer's, every attention loop on the tensor cores (FP8 inputs: Q K^T on the
-    FP8 ones), and no spills on the Triton release its register budget was set on (``hopper.TUNED``; another
-    release's compiler allocates differently: 3.9's spills up to 140 bytes). Each step waits for its scores while the last block's ``P V`` stays in flight (a wait
-    leaving one product group), and for that product later in the step."""
+    """gstar.kernels.hopper (Gluon) compiles for sm_90a: a warpgroup per consumer (``hopper.CONSUMERS``: two at D 128,
+    three at D 64) and the producer's, every attention loop on the tensor cores (FP8 inputs: Q K^T on the FP8
+    ones), and no spills on the Triton release its register budget was set on (``hopper.TUNED``; another
+    release's compiler allocates differently: 3.9's spills up to 140 bytes). Each step waits for its scores
+    while the last block's ``P V`` stays in flight (a wait leaving one product group), and for that product
+    later in the step."""
     result = _run("--case", case, "--hopper", *flags)
     assert result.returncode == 0, result.stderr[-2000:]
     line = next(l for l in result.stdout.splitlines() if l.startswith("_forward_kernel:"))
