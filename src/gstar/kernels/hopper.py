@@ -238,7 +238,7 @@ def _block_range(row0, Nq, Nk, left, right, sink_tokens, BLOCK_M: gl.constexpr, 
 
 
 @gluon.jit
-def _ring_barriers(slots: gl.constexpr, consumers: gl.constexpr = 2):
+def _ring_barriers(slots: gl.constexpr, consumers: gl.constexpr):
     """The initialised ``ready`` and ``empty`` barriers of a ring of ``slots`` slots: ``ready`` completes on
     the producer's expect and the copy's bytes, ``empty`` on one arrival per consumer warpgroup (``consumers``)."""
     ready = gl.allocate_shared_memory(gl.int64, [slots, 1], mbarrier.MBarrierLayout())

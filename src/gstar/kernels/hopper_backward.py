@@ -400,8 +400,8 @@ def _backward_kernel(q_desc, k_desc, v_desc, do_desc, dqa_desc, DK, DV, Lse2, De
     dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dqa_desc.block_type.shape, dqa_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
-    q_ready, q_empty = _ring_barriers(STAGES)
-    do_ready, do_empty = _ring_barriers(STAGES)
+    q_ready, q_empty = _ring_barriers(STAGES, 2)  # freed by both consumer warpgroups
+    do_ready, do_empty = _ring_barriers(STAGES, 2)
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_staged = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
