@@ -11,7 +11,7 @@ whole sequence through their exchanges. Labels are shifted on the whole sequence
 (the last token of a shard predicts the first of another rank's), the loss is summed over ranks, and the
 gradients are summed over ranks as data-parallel training sums them. Each rank also runs the unsharded
 model (its own copy, same initialisation) on the whole batch: the losses and every parameter's gradient
-must agree to float32 rounding (relative error below 1e-4, the float32 bar of gstar.accuracy), step after
+must agree to float32 rounding (relative error below 1e-4, the float32 bar of gstar.lab.accuracy), step after
 step. Exit status 1 otherwise.
 """
 
@@ -28,7 +28,7 @@ import transformers
 
 import gstar.distributed as gd
 import gstar.integrations.transformers  # noqa: F401  (registers attn_implementation="gstar")
-from gstar.accuracy import relative_error
+from gstar.lab.accuracy import relative_error
 
 BAR = 1e-4  # float32: relative error of the loss and of each gradient
 

@@ -106,7 +106,7 @@ def attention(rank, world, *, layout, n_local, heads, pattern, learned_sinks, ba
 
     import gstar
     import gstar.distributed as gd
-    from gstar.accuracy import relative_error
+    from gstar.lab.accuracy import relative_error
 
     Hq, Hkv = heads
     n = n_local * world
@@ -172,12 +172,12 @@ def train_example(rank, world, **keywords):
 
 def attention_gpu(rank, world, *, layout, n_local, pattern, seed=0):
     """bfloat16 context_parallel_attention on the rank's GPU (Triton kernels) against float32 naive attention
-    on the whole sequence, with the correctness bar of gstar.accuracy: (name, error, allowed) per output and
+    on the whole sequence, with the correctness bar of gstar.lab.accuracy: (name, error, allowed) per output and
     gradient of this rank's shard (dsinks summed over ranks)."""
     import torch.distributed as dist
 
     import gstar.distributed as gd
-    from gstar.accuracy import verdict
+    from gstar.lab.accuracy import verdict
     from gstar.reference import naive_attention
 
     B, Hq, Hkv, D = 1, 8, 2, 64

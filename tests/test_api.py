@@ -142,19 +142,19 @@ def test_triton_on_cpu_tensors_needs_interpreter(monkeypatch):
 def test_interpreter_refuses_a_numpy_it_breaks_on(monkeypatch, versions, works):
     """triton < 3.7's interpreter fails on numpy >= 2.4 with an error about array conversion: the API says
     what to install instead."""
-    from gstar import api
+    from gstar import checks
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(api.importlib.metadata, "version", versions.__getitem__)
-    api.interpreter_problem.cache_clear()
+    monkeypatch.setattr(checks.importlib.metadata, "version", versions.__getitem__)
+    checks.interpreter_problem.cache_clear()
     try:
         q, k, v = qkv()
         if works:
-            assert api.interpreter_problem() is None
+            assert checks.interpreter_problem() is None
         else:
             with pytest.raises(RuntimeError, match=r"numpy<2.4' or triton >= 3.7"):
                 gstar.flash_attention(q, k, v, backend="triton")
     finally:
-        api.interpreter_problem.cache_clear()
+        checks.interpreter_problem.cache_clear()
 
 
 @pytest.mark.parametrize("shape", [(0, 4, 9, 11), (1, 4, 0, 11), (1, 4, 9, 0)])

@@ -17,11 +17,10 @@ import torch
 
 import gstar
 from inputs import make_qkv
-from gstar.accuracy import relative_error, verdict
-from gstar.kernels import configs
-from gstar.kernels import attention_backward
-from gstar.kernels.configs import BackwardConfig, backward_config
-from gstar.kernels.schedule import W_END, W_FULL_END, W_FULL_START, W_START, W_TILE, _auto_split, split_plan
+from gstar.lab.accuracy import relative_error, verdict
+from gstar.kernels import attention_backward, card
+from gstar.kernels.portable.tiles import BackwardConfig, backward_config
+from gstar.kernels.portable.schedule import W_END, W_FULL_END, W_FULL_START, W_START, W_TILE, _auto_split, split_plan
 from gstar.pattern import Pattern, q_block_table
 from gstar.reference import naive_attention
 
@@ -315,7 +314,7 @@ def test_interpreter_config_is_small():
     ((8, 0), 64, dict(causal=True), 2 * 64, (False, False)),        # no copy engine before Hopper
 ])
 def test_cuda_config_descriptor_rule(capability, D, pattern_args, batch_heads, expected, monkeypatch):
-    monkeypatch.setattr(configs, "capability_major", lambda device: capability[0])
+    monkeypatch.setattr(card, "capability_major", lambda device: capability[0])
     cfg = backward_config(D, torch.bfloat16, Pattern.make(4096, 4096, **pattern_args), "cuda",
                           batch_heads=batch_heads)
     assert (cfg.dkdv_tma, cfg.dq_tma) == expected
@@ -331,7 +330,7 @@ def test_cuda_config_descriptor_rule(capability, D, pattern_args, batch_heads, e
     (64, 8, dict(causal=True, window=(511, 0)), (128, 64, 1)),  # a wider band is not narrow
 ])
 def test_cuda_config_packed_dq_rule(D, group, pattern_args, expected, monkeypatch):
-    monkeypatch.setattr(configs, "capability_major", lambda device: 9)
+    monkeypatch.setattr(card, "capability_major", lambda device: 9)
     cfg = backward_config(D, torch.bfloat16, Pattern.make(4096, 4096, **pattern_args), "cuda", batch_heads=64,
                           group=group)
     assert (cfg.dq_m, cfg.dq_n, cfg.dq_pack) == expected

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from gstar import naive_attention
-from gstar.bench import cases, measure
-from gstar.bench.cases import DECODE_PAGE, DECODE_SHAPES, Case, cache_lengths, for_cpu, suite
-from gstar.bench.peers import FA4, Eager, Flex, Fla, Gstar, GstarPrefill, Peer, Sdpa, flex_block_mask, flex_with_sinks
-from gstar.bench.report import markdown_table
-from gstar.bench.runner import run_row
-from gstar.cli.bench import timing_of
-from gstar.cli.main import build_parser, main
+from gstar.lab.bench import cases, measure
+from gstar.lab.bench.cases import DECODE_PAGE, DECODE_SHAPES, Case, cache_lengths, for_cpu, suite
+from gstar.lab.bench.peers import FA4, Eager, Flex, Fla, Gstar, GstarPrefill, Peer, Sdpa, flex_block_mask, flex_with_sinks
+from gstar.lab.bench.report import markdown_table
+from gstar.lab.bench.runner import run_row
+from gstar.lab.cli.bench import timing_of
+from gstar.lab.cli.main import build_parser, main
 from gstar.pattern import Pattern
 
 CPU = torch.device("cpu")
@@ -216,7 +216,7 @@ def test_flex_mask_and_sinks_on_a_cpu(case):
 def test_eager_counts_its_repeated_cache(monkeypatch):
     """Eager repeats K and V for every query head: 32 GiB for the GPT-OSS-20B step, which an 80 GB card runs
     eagerly but not twice over in a CUDA graph."""
-    from gstar.bench import peers
+    from gstar.lab.bench import peers
     step = next(c for c in suite("decode") if c.lengths and not c.paged and c.window == (-1, -1))
     monkeypatch.setattr(peers, "_free_bytes", lambda device: 75 << 30)
     assert Eager().unsupported(step, CPU, "fwd") is None
@@ -271,7 +271,7 @@ def test_markdown_table_prints_the_floor():
 def test_decode_plot_draws_time_per_case(tmp_path):
     """Decode rows plot as bars per case with the memory floor (their batches differ, so no length axis)."""
     pytest.importorskip("matplotlib")
-    from gstar.bench.report import plot
+    from gstar.lab.bench.report import plot
     row = {"case": {"label": "B1 N8192", "family": "decode", "seqlen": 8192}, "series": "s", "impl": "gstar",
            "status": "ok", "time_ms": 0.01, "tflops": 1.0, "memory_floor_ms": 0.0035}
     rows = [row, dict(row, impl="flex", time_ms=0.02), dict(row, case=dict(row["case"], label="B8 N64"))]

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from gstar.bench import cases, measure
-from gstar.bench.cases import Case, for_cpu, suite
-from gstar.cli.main import main
+from gstar.lab.bench import cases, measure
+from gstar.lab.bench.cases import Case, for_cpu, suite
+from gstar.lab.cli.main import main
 
 
 def test_fp8_suite_pairs_each_case_with_bf16():
@@ -86,7 +86,7 @@ def test_fp8_suite_runs(monkeypatch, tmp_path, capsys):
 def test_fp8_compute_floor_counts_the_fp8_rate():
     """An FP8 row's compute floor is the bfloat16 row's at twice the rate (FP8 tensor cores); memory floors
     follow the bytes (half for q, k, v)."""
-    from gstar.cli.bench import _add_floors
+    from gstar.lab.cli.bench import _add_floors
     card = {"matmul_tflops": 500.0, "memory_gbps": 3000.0}
     rows = {}
     for dtype in ("bfloat16", "fp8"):

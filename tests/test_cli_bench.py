@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from gstar import flash_attention_varlen, naive_attention
-from gstar.bench import cases, measure, report
-from gstar.bench.cases import Case, document_lengths, for_cpu, packed_case, suite
-from gstar.bench.peers import PEER_NAMES, Eager, Gstar, GstarNondeterministic, GstarPadded, Peer
-from gstar.bench.report import markdown_table
-from gstar.bench.runner import add_ratios, run_row
-from gstar.cli.bench import cases_from_args, timing_of
-from gstar.cli.main import build_parser, main
+from gstar.lab.bench import cases, measure, report
+from gstar.lab.bench.cases import Case, document_lengths, for_cpu, packed_case, suite
+from gstar.lab.bench.peers import PEER_NAMES, Eager, Gstar, GstarNondeterministic, GstarPadded, Peer
+from gstar.lab.bench.report import markdown_table
+from gstar.lab.bench.runner import add_ratios, run_row
+from gstar.lab.cli.bench import cases_from_args, timing_of
+from gstar.lab.cli.main import build_parser, main
 
 
 def parse(*argv):
@@ -302,7 +302,7 @@ def test_graph_timing(mode):
 
 def test_a_failed_capture_is_flagged_once(monkeypatch, capsys):
     """A row that failed its CUDA graph capture gets a note (once) that later rows may lack memory."""
-    from gstar.bench import runner
+    from gstar.lab.bench import runner
 
     def fake_row(peer, case, mode, inputs, ref, pt, device, timing):
         return runner._row(peer, case, "n/a", f"{runner.NOT_CAPTURABLE}: capture failed")
@@ -318,10 +318,10 @@ def test_a_failed_capture_is_flagged_once(monkeypatch, capsys):
 _UNCAPTURABLE = """
 import sys
 import torch
-from gstar.bench import measure
-from gstar.bench.cases import Case
-from gstar.bench.peers import Eager, Peer
-from gstar.bench.runner import run_row
+from gstar.lab.bench import measure
+from gstar.lab.bench.cases import Case
+from gstar.lab.bench.peers import Eager, Peer
+from gstar.lab.bench.runner import run_row
 
 def read(x):
     return x if torch.isfinite(x.sum()).item() else x
@@ -365,7 +365,7 @@ def test_eager_is_skipped_when_it_would_not_fit():
 
 def test_eager_declines_a_capture_it_would_not_fit(monkeypatch):
     """A capture needs about twice the eager call's memory (a failed one keeps it): the bar doubles."""
-    from gstar.bench import peers
+    from gstar.lab.bench import peers
     case = Case("t", 1, 4, 4, 1000, 16)
     need = (10 * 4 * 1000 * 1001 + 2 * 4 * 1000 * 32) * 2  # fwd+bwd bytes of the eager estimate: scores, repeated kv
     monkeypatch.setattr(peers, "_free_bytes", lambda device: int(need / 0.6) + 1)
@@ -425,7 +425,7 @@ def test_json_csv_plot(tmp_path, capsys):
 
 def test_a_run_cut_short_keeps_its_finished_cases(tmp_path, monkeypatch):
     """The JSON is rewritten after every case: a run stopped in its second case keeps the first's rows."""
-    from gstar.bench import runner
+    from gstar.lab.bench import runner
     real = runner.run_row
 
     def stop_at_48(peer, case, *args):

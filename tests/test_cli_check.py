@@ -12,9 +12,9 @@ import torch
 
 from gstar import naive_attention
 from gstar.api import flash_attention
-from gstar.check import runner
-from gstar.check.stages import STAGES, RowSumCase, parse_stage
-from gstar.cli.main import build_parser, main
+from gstar.lab.check import runner
+from gstar.lab.check.stages import STAGES, RowSumCase, parse_stage
+from gstar.lab.cli.main import build_parser, main
 
 
 def ignores_causal(q, k, v, *, causal, window, sink_tokens, sinks, scale=None):

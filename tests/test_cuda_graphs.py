@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import gstar
-from gstar.bench import measure
+from gstar.lab.bench import measure
 
 pytestmark = pytest.mark.gpu
 

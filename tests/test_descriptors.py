@@ -1,8 +1,8 @@
-"""When the kernels may read an operand through a tensor descriptor (gstar.kernels.descriptors)."""
+"""When the kernels may read an operand through a tensor descriptor (gstar.kernels.common.descriptors)."""
 
 import torch
 
-from gstar.kernels import descriptors
+from gstar.kernels.common import descriptors
 
 
 def test_contiguous_and_strided_layouts_are_supported():

@@ -12,10 +12,12 @@ import triton
 import gstar
 from inputs import make_qkv
 from tiers import grid
-from gstar.accuracy import relative_error, verdict
-from gstar.kernels import attention, attention_forward, configs
-from gstar.kernels.configs import forward_config
-from gstar.kernels.forward import tiles_fastest
+from gstar.lab.accuracy import relative_error, verdict
+from gstar.kernels import attention_forward, card
+from gstar.kernels.common.rule import mask
+from gstar.kernels.common.walk import tiles_fastest
+from gstar.kernels.portable import forward as portable_forward
+from gstar.kernels.portable.tiles import forward_config
 from gstar.pattern import Pattern
 from gstar.reference import naive_attention
 
@@ -183,7 +185,7 @@ def test_interpreter_config_is_small():
 ])
 def test_cuda_config_halves(D, nq, major, halves, monkeypatch):
     """HALVES (256-row tiles) only on Hopper and only where the queries fill such a tile."""
-    monkeypatch.setattr(configs, "capability_major", lambda device: major)
+    monkeypatch.setattr(card, "capability_major", lambda device: major)
     cfg = forward_config(D, torch.bfloat16, Pattern.make(nq, 4096, causal=True), "cuda", group=8)
     assert cfg["HALVES"] == halves
     assert cfg["BLOCK_M"] <= nq or not halves
@@ -196,7 +198,7 @@ def test_cuda_config_halves(D, nq, major, halves, monkeypatch):
 ])
 def test_cuda_config_narrow_window(D, group, tile, monkeypatch):
     """A narrow window at head dim 64 takes 128 x 32 tiles when at least 4 heads share them."""
-    monkeypatch.setattr(configs, "capability_major", lambda device: 9)
+    monkeypatch.setattr(card, "capability_major", lambda device: 9)
     cfg = forward_config(D, torch.bfloat16, Pattern.make(4096, 4096, causal=True, window=(127, 0)), "cuda",
                          group=group)
     assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["PACK_GQA"]) == tile and cfg["FLAT"]
@@ -212,18 +214,18 @@ def test_grid_walks_tiles_fastest_without_mask_bounds(device_type, causal, windo
     """Full attention walks one head's Q tiles side by side (they share its K/V in L2); any bound keeps heads
     fastest, with the longest causal tiles first. The host's grid follows the rule the kernel reads it by, on
     the interpreter as on the GPU."""
-    monkeypatch.setattr(configs, "capability_major", lambda device: 9)
+    monkeypatch.setattr(card, "capability_major", lambda device: 9)
     B, Hq, Hkv, N = 2, 16, 2, 4096
     pattern = Pattern.make(N, N, causal=causal, window=window)
     assert tiles_fastest(pattern.left >= 0, pattern.right >= 0) == tiles_fastest_rule
     for D in (16, 64, 128):
         shape, stride = (B, Hq, N, D), (Hq * N * D, N * D, D, 1)
-        plan = attention._forward_plan(shape, stride, (B, Hkv, N, D), stride, (B, Hkv, N, D), stride, torch.bfloat16,
+        plan = portable_forward._plan(shape, stride, (B, Hkv, N, D), stride, (B, Hkv, N, D), stride, torch.bfloat16,
                                        torch.device(device_type), pattern, 0.1, None, None, "tf32")
         options = dict(plan.options)
-        tiles = triton.cdiv(N, options["BLOCK_M"] // options["PACK"])
+        n_tiles = triton.cdiv(N, options["BLOCK_M"] // options["PACK"])
         heads = Hq // options["PACK"]
-        assert plan.grid == ((tiles, heads, B) if tiles_fastest_rule else (heads, tiles, B))
+        assert plan.grid == ((n_tiles, heads, B) if tiles_fastest_rule else (heads, n_tiles, B))
 
 
 @pytest.mark.parametrize("nq", [1, 3, 33, 4096])
@@ -231,7 +233,7 @@ def test_grid_walks_tiles_fastest_without_mask_bounds(device_type, causal, windo
 @pytest.mark.parametrize("D,window", [(16, (-1, -1)), (64, (127, 0)), (128, (-1, -1)), (256, (-1, -1))])
 def test_cuda_config_packs_whole_heads(nq, group, D, window, monkeypatch):
     """PACK_GQA divides the group and the tile; decode packs the whole group instead of computing dead rows."""
-    monkeypatch.setattr(configs, "capability_major", lambda device: 9)
+    monkeypatch.setattr(card, "capability_major", lambda device: 9)
     cfg = forward_config(D, torch.bfloat16, Pattern.make(nq, 4096, causal=True, window=window), "cuda", group=group)
     pack, block_m = cfg["PACK_GQA"], cfg["BLOCK_M"]
     assert group % pack == 0 and block_m % pack == 0 and block_m >= 16

@@ -20,9 +20,9 @@ import triton.language as tl
 from tiers import grid
 
 import gstar
-from gstar.accuracy import verdict
+from gstar.lab.accuracy import verdict
 from gstar.fp8 import FP8, FP8_MAX
-from gstar.kernels.widen import half_queries
+from gstar.kernels.common.fp8 import half_queries
 from gstar.pattern import Pattern
 
 PATTERNS = {  # id: (keywords, learned sinks)
@@ -252,10 +252,10 @@ def test_bad_input():
 
 @pytest.mark.parametrize("layout", ["values", "heads-first", "strided"])
 def test_widen_is_exact(layout, device):
-    """gstar.kernels.widen (V before the Hopper kernel's bfloat16 P V) equals PyTorch's conversion bit for bit:
+    """gstar.kernels.common.fp8.widen (V before the Hopper kernel's bfloat16 P V) equals PyTorch's conversion bit for bit:
     every finite e4m3 value, a heads-first view of (B, N, H, D) whose strides it keeps, and a strided slice
     (PyTorch's copy)."""
-    from gstar.kernels.widen import widen
+    from gstar.kernels.common.fp8 import widen
     if layout == "values":
         x = torch.arange(256, dtype=torch.uint8).view(FP8)
         x = x[x.float().isfinite()].to(device)
@@ -270,7 +270,7 @@ def test_widen_is_exact(layout, device):
 
 @triton.jit
 def _half_queries_probe(Q, Out, Factor, R: tl.constexpr, D: tl.constexpr):
-    """Out = the float16 queries of ``widen.half_queries`` on the (R, D) bfloat16 tile Q, Factor its factor
+    """Out = the float16 queries of ``half_queries`` on the (R, D) bfloat16 tile Q, Factor its factor
     (applied to a score factor of 1)."""
     offs = tl.arange(0, R)[:, None] * D + tl.arange(0, D)[None, :]
     q, factor = half_queries(tl.load(Q + offs), 1.0)

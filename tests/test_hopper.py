@@ -1,6 +1,6 @@
-"""The warp-specialised Hopper forward (gstar.kernels.hopper): it meets the accuracy bar beside the portable
+"""The warp-specialised sm_90 forward (gstar.kernels.sm90.forward): it meets the accuracy bar beside the portable
 kernel on every pattern it accepts, at odd lengths, dense and packed, 16-bit and FP8 (the GPU tier, Hopper
-only), and the dispatcher sends it the calls :func:`gstar.kernels.hopper.supported` accepts and nothing else.
+only), and the dispatcher (gstar.kernels.dispatch) sends it the calls its tables give it and nothing else.
 Gluon kernels have no interpreter: tests/test_kernel_sass.py compiles this one for sm_90a on the CPU."""
 
 import pytest
@@ -8,13 +8,19 @@ import torch
 
 import gstar
 from inputs import make_qkv
-from gstar.accuracy import verdict
-from gstar.kernels import attention_forward, configs, hopper, schedule
+from gstar.lab.accuracy import verdict
+from gstar.fp8 import FP8
+from gstar.kernels import attention_forward, card, dispatch
+from gstar.kernels.sm90 import forward as sm90_forward
 from gstar.pattern import Pattern
 from gstar.reference import naive_attention
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 hopper_only = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100 / H200)")
+
+
+def _serves(dtype, D, Dv, pattern, packed=False):
+    return dispatch.serves_sm90(dispatch.Call("forward", dtype, dtype, D, Dv, pattern, 1, packed))
 
 
 @pytest.mark.parametrize("dtype,D,Dv,nq,causal,window,expected", [
@@ -26,51 +32,51 @@ hopper_only = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100 / 
     (torch.bfloat16, 128, 128, 127, True, (-1, -1), False),    # less than one Q tile
     (torch.bfloat16, 128, 64, 256, True, (-1, -1), False),     # Dv != D
     (torch.float32, 128, 128, 256, True, (-1, -1), False),
-    (torch.bfloat16, 64, 64, hopper.HEAD_DIMS[64], True, (-1, -1), True),
-    (torch.bfloat16, 64, 64, hopper.HEAD_DIMS[64] - 1, True, (-1, -1), False),  # below D 64's least length
-    (torch.bfloat16, 64, 64, hopper.block_m(64), False, (-1, -1), True),  # dense full attention walks from one tile
-    (torch.bfloat16, 64, 64, hopper.block_m(64) - 1, False, (-1, -1), False),  # (of 192 rows: three consumers)
+    (torch.bfloat16, 64, 64, dispatch.SM90_FORWARD[64], True, (-1, -1), True),
+    (torch.bfloat16, 64, 64, dispatch.SM90_FORWARD[64] - 1, True, (-1, -1), False),  # below D 64's least length
+    (torch.bfloat16, 64, 64, sm90_forward.block_m(64), False, (-1, -1), True),  # dense full attention walks from one tile
+    (torch.bfloat16, 64, 64, sm90_forward.block_m(64) - 1, False, (-1, -1), False),  # (of 192 rows: three consumers)
     (torch.bfloat16, 96, 96, 8192, True, (-1, -1), False),     # a head dim off the table
-    (hopper.FP8, 128, 128, 256, True, (-1, -1), 128 in hopper.FP8_HEAD_DIMS),
-    (hopper.FP8, 64, 64, 256, False, (-1, -1), 64 in hopper.FP8_HEAD_DIMS),
-    (hopper.FP8, 128, 128, 256, True, (127, 0), False),         # an FP8 window layer
-    (hopper.FP8, 128, 64, 256, True, (-1, -1), False),
+    (FP8, 128, 128, 256, True, (-1, -1), 128 in dispatch.SM90_FORWARD_FP8),
+    (FP8, 64, 64, 256, False, (-1, -1), 64 in dispatch.SM90_FORWARD_FP8),
+    (FP8, 128, 128, 256, True, (127, 0), False),         # an FP8 window layer
+    (FP8, 128, 64, 256, True, (-1, -1), False),
 ])
 def test_serves(dtype, D, Dv, nq, causal, window, expected):
     pattern = Pattern.make(nq, 300, causal=causal, window=window)
-    assert hopper.serves(dtype, D, Dv, pattern) == expected
+    assert _serves(dtype, D, Dv, pattern) == expected
 
 
 @pytest.mark.parametrize("nq,causal,expected", [
     (128, False, False),                        # packed full attention keeps the per-item grid's table
-    (hopper.HEAD_DIMS[64], False, True),
-    (hopper.HEAD_DIMS[64] - 1, True, False),    # causal: the same table, packed or not
+    (dispatch.SM90_FORWARD[64], False, True),
+    (dispatch.SM90_FORWARD[64] - 1, True, False),    # causal: the same table, packed or not
 ])
 def test_serves_packed(nq, causal, expected):
     pattern = Pattern.make(nq, nq, causal=causal)
-    assert hopper.serves(torch.bfloat16, 64, 64, pattern, packed=True) == expected
+    assert _serves(torch.bfloat16, 64, 64, pattern, packed=True) == expected
 
 
 def test_not_supported_off_the_gpu():
-    q = torch.randn(1, 2, 256, 128, dtype=torch.bfloat16)
-    assert not hopper.supported(q, q, q, Pattern.make(256, 256, causal=True))
+    call = dispatch.Call("forward", torch.bfloat16, torch.bfloat16, 128, 128, Pattern.make(256, 256, causal=True), 1)
+    assert dispatch.serves_sm90(call) and dispatch.family(call, torch.device("cpu")) == dispatch.PORTABLE
 
 
 def test_sitting_out_says_why(monkeypatch):
-    """On an sm_90 GPU under a Triton release outside hopper.RELEASES, `gstar check` and `gstar bench` say that
+    """On an sm_90 GPU under a Triton release outside dispatch.RELEASES, `gstar check` and `gstar bench` say that
     the Gluon kernels sit out and name the verified releases; on a verified release, another card or the CPU
     they say nothing."""
     cuda = torch.device("cuda")
-    monkeypatch.setattr(configs, "capability_major", lambda device: 9)
-    monkeypatch.setattr(hopper, "VERIFIED", False)
-    note = hopper.sitting_out(cuda)
-    assert "portable kernels run" in note and all(r.rstrip(".") in note for r in hopper.RELEASES), note
-    assert hopper.sitting_out(torch.device("cpu")) is None
-    monkeypatch.setattr(hopper, "VERIFIED", True)
-    assert hopper.sitting_out(cuda) is None
-    monkeypatch.setattr(hopper, "VERIFIED", False)
-    monkeypatch.setattr(configs, "capability_major", lambda device: 8)
-    assert hopper.sitting_out(cuda) is None
+    monkeypatch.setattr(card, "capability_major", lambda device: 9)
+    monkeypatch.setattr(dispatch, "VERIFIED", False)
+    note = dispatch.sitting_out(cuda)
+    assert "portable kernels run" in note and all(r.rstrip(".") in note for r in dispatch.RELEASES), note
+    assert dispatch.sitting_out(torch.device("cpu")) is None
+    monkeypatch.setattr(dispatch, "VERIFIED", True)
+    assert dispatch.sitting_out(cuda) is None
+    monkeypatch.setattr(dispatch, "VERIFIED", False)
+    monkeypatch.setattr(card, "capability_major", lambda device: 8)
+    assert dispatch.sitting_out(cuda) is None
 
 
 def _oracle(q, k, v, sinks, pattern, dtype):
@@ -106,7 +112,7 @@ def test_gpu_both_kernels_within_bar(D, dtype, Nq, Nk, causal, with_sinks):
     pattern = Pattern.make(Nq, Nk, causal=causal)
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device="cuda")
-    hopper.forward(q, k, v, sinks, out, lse, pattern, D ** -0.5)
+    sm90_forward.forward(q, k, v, sinks, out, lse, pattern, D ** -0.5)
     _check(out, lse, q, k, v, sinks, pattern)
     _check(*attention_forward(q, k, v, sinks, pattern, D ** -0.5, config={}), q, k, v, sinks, pattern)
 
@@ -125,10 +131,10 @@ def test_gpu_walk_over_many_rounds(D, Nq, Nk, with_sinks, programs, monkeypatch)
     sinks = torch.randn(8, device="cuda") if with_sinks else None
     pattern = Pattern.make(Nq, Nk)
     full = [torch.full_like(q, float("nan")), torch.full(q.shape[:3], float("nan"), device="cuda")]
-    hopper.forward(q, k, v, sinks, *full, pattern, D ** -0.5)
-    monkeypatch.setattr(schedule, "sm_count", lambda device: programs)
+    sm90_forward.forward(q, k, v, sinks, *full, pattern, D ** -0.5)
+    monkeypatch.setattr(card, "sm_count", lambda device: programs)
     few = [torch.full_like(q, float("nan")), torch.full(q.shape[:3], float("nan"), device="cuda")]
-    hopper.forward(q, k, v, sinks, *few, pattern, D ** -0.5)
+    sm90_forward.forward(q, k, v, sinks, *few, pattern, D ** -0.5)
     assert torch.equal(few[0], full[0]) and torch.equal(few[1], full[1])
     _check(*few, q, k, v, sinks, pattern)
 
@@ -163,7 +169,7 @@ def test_gpu_packed_sequences(D, causal, with_sinks, fp8):
     out = torch.full(view(q).shape, float("nan"), device="cuda", dtype=torch.bfloat16)
     lse = torch.full((1, 8, q.shape[0]), float("nan"), device="cuda")
     v_kernel = v.bfloat16() if fp8 else v  # FP8 calls hand the kernel V widened to bfloat16
-    hopper.forward(view(q), view(k), view(v_kernel), sinks, out, lse, pattern, D ** -0.5, (cu_q, cu_k), **fp8_args)
+    sm90_forward.forward(view(q), view(k), view(v_kernel), sinks, out, lse, pattern, D ** -0.5, (cu_q, cu_k), **fp8_args)
     portable = attention_forward(view(q), view(k), view(v), sinks, pattern, D ** -0.5, config={},
                                  cu_seqlens=(cu_q, cu_k), out_dtype=low, **fp8_args)
     q, k, v = map(view, values)
@@ -183,20 +189,20 @@ def test_gpu_packed_sequences(D, causal, with_sinks, fp8):
     (128, 1000, False, (127, 0), torch.bfloat16, False),  # window layers: the portable kernel
     (128, 100, True, (-1, -1), torch.bfloat16, False),   # less than one full Q tile
     (64, 1000, True, (-1, -1), torch.bfloat16, False),    # D 64 below its least query length
-    (64, hopper.HEAD_DIMS[64], True, (-1, -1), torch.bfloat16, True),
+    (64, dispatch.SM90_FORWARD[64], True, (-1, -1), torch.bfloat16, True),
     (64, 1000, False, (-1, -1), torch.bfloat16, True),    # dense full attention at D 64: the walk
     (128, 1000, True, (-1, -1), torch.float32, False),
 ])
 def test_gpu_dispatch(D, Nq, causal, window, dtype, expected, monkeypatch):
-    """attention_forward takes the Hopper kernel exactly where :func:`hopper.supported` says."""
+    """attention_forward takes the sm_90 kernel exactly where the dispatcher's tables say."""
     calls = []
-    monkeypatch.setattr(hopper, "forward", lambda *a: calls.append(a) or hopper_forward(*a))
+    monkeypatch.setattr(sm90_forward, "forward", lambda *a: calls.append(a) or hopper_forward(*a))
     q, k, v = make_qkv(1, 4, 2, Nq, Nq, D, dtype, device="cuda")
     attention_forward(q, k, v, None, Pattern.make(Nq, Nq, causal=causal, window=window), D ** -0.5)
-    assert bool(calls) == (expected and hopper.VERIFIED)  # other Triton releases keep the portable kernel
+    assert bool(calls) == (expected and dispatch.VERIFIED)  # other Triton releases keep the portable kernel
 
 
-hopper_forward = hopper.forward
+hopper_forward = sm90_forward.forward
 
 
 def _fp8(q, k, v):
@@ -224,7 +230,7 @@ def test_gpu_fp8_both_kernels_within_bar(D, Nq, Nk, causal, with_sinks):
     pattern = Pattern.make(Nq, Nk, causal=causal)
     out = torch.full(qkv[0].shape, float("nan"), device="cuda", dtype=torch.bfloat16)
     lse = torch.full(out.shape[:3], float("nan"), device="cuda")
-    hopper.forward(*qkv[:2], qkv[2].bfloat16(), sinks, out, lse, pattern, D ** -0.5, descale=descale)
+    sm90_forward.forward(*qkv[:2], qkv[2].bfloat16(), sinks, out, lse, pattern, D ** -0.5, descale=descale)
     _check(out, lse, *deq, sinks, pattern, low=torch.bfloat16)
     portable = attention_forward(*qkv, sinks, pattern, D ** -0.5, config={}, descale=descale,
                                  out_dtype=torch.bfloat16)
@@ -238,10 +244,10 @@ def test_gpu_fp8_dispatch(D, out_dtype, monkeypatch):
     """An FP8 call of a served kind takes the Hopper kernel on sm_90 (any output dtype), and its result is
     the portable kernel's to within the bar."""
     calls = []
-    monkeypatch.setattr(hopper, "forward", lambda *a: calls.append(a) or hopper_forward(*a))
+    monkeypatch.setattr(sm90_forward, "forward", lambda *a: calls.append(a) or hopper_forward(*a))
     qkv, descale, deq = _fp8(*make_qkv(1, 4, 2, 1000, 1000, D, torch.float32, device="cuda"))
     pattern = Pattern.make(1000, 1000, causal=True)
     out, lse = attention_forward(*qkv, None, pattern, D ** -0.5, descale=descale, out_dtype=out_dtype)
-    assert bool(calls) == (D in hopper.FP8_HEAD_DIMS and hopper.VERIFIED) and out.dtype == out_dtype
+    assert bool(calls) == (D in dispatch.SM90_FORWARD_FP8 and dispatch.VERIFIED) and out.dtype == out_dtype
     _check(out.float(), lse, *deq, None, pattern, low=torch.bfloat16)
 

@@ -10,12 +10,17 @@ import torch
 
 import gstar
 from inputs import make_qkv
-from gstar.kernels import attention_backward, hopper_backward
+from gstar.kernels import attention_backward, card, dispatch
+from gstar.kernels.sm90 import backward as hopper_backward
 from gstar.pattern import Pattern, kv_blocks, q_blocks
 from test_backward import _check_bar, _check_exact_zeros, _oracle, _oracle_by_kv_head, _sinks
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 hopper_only = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100 / H200)")
+
+
+def _serves(dtype, D, Dv, pattern, group):
+    return dispatch.serves_sm90(dispatch.Call("backward", dtype, dtype, D, Dv, pattern, group))
 
 
 @pytest.mark.parametrize("dtype,D,Dv,causal,window,group,expected", [
@@ -36,7 +41,7 @@ def test_serves(dtype, D, Dv, causal, window, group, expected):
     """What the kernel was built for (the same with ordered dQ adds or without, with learned sinks or
     without)."""
     pattern = Pattern.make(300, 300, causal=causal, window=window)
-    assert hopper_backward.serves(dtype, D, Dv, pattern, group) == expected
+    assert _serves(dtype, D, Dv, pattern, group) == expected
 
 
 @pytest.mark.parametrize("nq,nk", [(300, 300), (1000, 999), (4097, 4097), (777, 300), (129, 128), (64, 1)])
@@ -73,7 +78,7 @@ def test_count_late(nq, nk, causal, expected):
 def test_every_served_head_dim_has_a_program_cost():
     """The ordered split weighs a program's fixed cost by head dim: every head dim the kernel serves needs one
     (else a KeyError at call time)."""
-    assert hopper_backward.PROGRAM_STEPS.keys() == hopper_backward.HEAD_DIMS.keys()
+    assert hopper_backward.PROGRAM_STEPS.keys() == dispatch.SM90_BACKWARD.keys()
 
 
 @pytest.mark.parametrize("batch,heads,group,nq,head_dim,expected", [
@@ -88,7 +93,7 @@ def test_every_served_head_dim_has_a_program_cost():
 def test_heads_per_program_ordered(batch, heads, group, nq, head_dim, expected, monkeypatch):
     """Ordered adds (the grid launched shortest program first): the divisor of the group that minimises a
     program's fixed cost against the grid's tail, whatever the length (132 SMs)."""
-    monkeypatch.setattr(hopper_backward.schedule, "sm_count", lambda device: 132)
+    monkeypatch.setattr(card, "sm_count", lambda device: 132)
     for n in (nq, 4 * nq + 1):
         assert hopper_backward.heads_per_program(batch, heads, group, n, head_dim, causal=True, ordered=True,
                                                  device="cuda") == expected
@@ -106,7 +111,7 @@ def test_heads_per_program_ordered(batch, heads, group, nq, head_dim, expected, 
 def test_heads_per_program_unordered(batch, heads, group, nq, causal, expected, monkeypatch):
     """Unordered adds (the longest program first): the largest divisor of the group whose longest program
     stays under a quarter of an SM's share (132 SMs); the whole group for full attention, ordered or not."""
-    monkeypatch.setattr(hopper_backward.schedule, "sm_count", lambda device: 132)
+    monkeypatch.setattr(card, "sm_count", lambda device: 132)
     assert hopper_backward.heads_per_program(batch, heads, group, nq, 128, causal=causal, ordered=False,
                                              device="cuda") == expected
     if not causal:
@@ -135,8 +140,7 @@ def test_sum_parts(B, Hkv, Nk, parts, dtype):
         for part in values[1:]:
             total += part
         sums.append(total.to(dtype))
-    pattern = Pattern.make(2 * Nk, Nk, causal=True)
-    hopper_backward._sum_parts(pk, pv, dk, dv, pattern, group=2 * parts, parts=parts)
+    hopper_backward._sum_parts(pk, pv, dk, dv, parts=parts)
     assert torch.equal(dk, sums[0]) and torch.equal(dv, sums[1])
 
 
@@ -179,7 +183,7 @@ def test_gpu_within_bar(D, dtype, Nq, Nk, causal, group, sinks, deterministic, m
     pattern = Pattern.make(Nq, Nk, causal=causal)
     grads = attention_backward(dout, q, k, v, out, ref_lse.float(), dlse, sinks, pattern, scale,
                                deterministic=deterministic)
-    assert calls == [1] * hopper_backward.serves(dtype, D, D, pattern, group)
+    assert calls == [1] * (_serves(dtype, D, D, pattern, group) and dispatch.VERIFIED)
     _check_bar(grads, ref, pt)
     _check_exact_zeros(grads, pattern)
     if deterministic:

@@ -1,5 +1,5 @@
-"""The Gluon decode kernel for FP8 caches (gstar.kernels.hopper_decode): which calls it serves and the plan that
-takes it (on CPU, the GPU's facts stood in), and on the GPU tier both decode kernels on every pattern it accepts,
+"""The Gluon decode kernel for FP8 caches (gstar.kernels.sm90.decode): which calls the dispatcher gives it and the
+plan that takes it (on CPU, the GPU's facts stood in), and on the GPU tier both decode kernels on every pattern it accepts,
 FP8 and bfloat16 queries, one and two queries, ragged lengths, within the bar of the float64 oracle.
 """
 
@@ -7,8 +7,11 @@ import pytest
 import torch
 
 import gstar
-from gstar.accuracy import verdict
-from gstar.kernels import decode, hopper_decode
+from gstar.lab.accuracy import verdict
+from gstar.kernels import card, dispatch
+from gstar.kernels.common import split
+from gstar.kernels.portable import decode
+from gstar.kernels.sm90 import decode as hopper_decode
 from gstar.pattern import Pattern
 
 F8 = torch.float8_e4m3fn
@@ -23,7 +26,7 @@ def _meta(*shape, dtype=F8):
     (F8, "contiguous", 64, 8, False, True),
     (torch.bfloat16, "contiguous", 64, 16, False, True),
     (torch.float16, "contiguous", 64, 16, False, True),
-    (torch.float32, "contiguous", 64, 8, False, False),   # float32 queries: Triton's kernel
+    (torch.float32, "contiguous", 64, 8, False, False),   # float32 queries: the portable kernel
     (F8, "contiguous", 64, 32, False, False),              # more rows than one mma.sync tile
     (F8, "contiguous", 128, 8, False, False),              # head dim 128 spills
     (F8, "bf16", 64, 8, False, False),                     # a 16-bit cache
@@ -32,8 +35,7 @@ def _meta(*shape, dtype=F8):
     (F8, "paged 16", 64, 8, True, False),                  # a tile would straddle pages
     (F8, "paged, heads apart", 64, 8, True, False),        # a page's rows not consecutive
 ])
-def test_serves(monkeypatch, q_dtype, cache, dim, stacked, paged, expected):
-    monkeypatch.setattr(hopper_decode, "_on_hopper", lambda q: True)
+def test_serves(q_dtype, cache, dim, stacked, paged, expected):
     q = _meta(2, 16, 1, dim, dtype=q_dtype)
     if cache == "heads-inner":  # (B, N, Hkv, D) seen as (B, Hkv, N, D)
         k = v = _meta(2, 1000, 2, dim).transpose(1, 2)
@@ -42,22 +44,38 @@ def test_serves(monkeypatch, q_dtype, cache, dim, stacked, paged, expected):
                  else _meta(30, int(cache.split()[1]), 2, dim))
     else:
         k = v = _meta(2, 2, 1000, dim, dtype=torch.bfloat16 if cache == "bf16" else F8)
-    assert hopper_decode.serves(q, k, v, paged, stacked) is expected
+    assert _takes(q, k, v, paged, stacked) is expected
+
+
+def _takes(q, k, v, paged, stacked):
+    """Whether the dispatcher gives the Gluon kernel such a call on an sm_90 GPU (a cache long enough): its
+    tables, and a cache laid out as its word loads read it."""
+    call = dispatch.Call("decode", q.dtype, k.dtype, q.shape[-1], v.shape[-1], Pattern.make(1, 1 << 20), stacked,
+                         paged=paged)
+    return dispatch.serves_sm90(call) and hopper_decode.fits(k, v, paged)
 
 
 def test_not_served_off_the_gpu():
     k = torch.zeros(1, 1, 64, 64, dtype=F8)
-    assert not hopper_decode.serves(torch.zeros(1, 8, 1, 64, dtype=torch.bfloat16), k, k, False, 8)
+    call = dispatch.Call("decode", torch.bfloat16, F8, 64, 64, Pattern.make(1, 1 << 20), 8)
+    assert dispatch.serves_sm90(call) and dispatch.family(call, torch.device("cpu"), True) == dispatch.PORTABLE
 
 
 def _plan(monkeypatch, capacity, window=(-1, -1), B=1, num_splits=None, major=9, registers=True, page=0):
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {
-        "multi_processor_count": 132})())
-    monkeypatch.setattr(decode, "capability_major", lambda device: major)
-    return decode._decode_plan.__wrapped__(
-        B=B, Hq=64, Hkv=8, nq=1, D=64, Dv=64, paged=page > 0, block_size=page, capacity=capacity,
-        pattern=Pattern.make(1, capacity, causal=True, window=window), device=torch.device("cuda"),
-        precision="tf32", num_splits=num_splits, fp8=True, registers=registers)
+    """The plan of a decode step of GPT-OSS heads on an sm_``major`` GPU of 132 SMs under a verified Triton;
+    ``registers``: the cache laid out as the Gluon kernel reads it."""
+    monkeypatch.setattr(card, "sm_count", lambda device: 132)
+    monkeypatch.setattr(card, "capability_major", lambda device: major)
+    monkeypatch.setattr(dispatch, "VERIFIED", True)
+    call = dispatch.Call("decode", torch.bfloat16, F8, 64, 64, Pattern.make(1, capacity, causal=True, window=window),
+                         8, paged=page > 0)
+    for cached in (decode.plan, hopper_decode.plan):  # plans of the real card, none left made on a stand-in
+        cached.cache_clear()
+    try:
+        return dispatch.decode_plan(call, torch.device("cuda"), registers, B, 8, page, num_splits)
+    finally:
+        for cached in (decode.plan, hopper_decode.plan):
+            cached.cache_clear()
 
 
 @pytest.mark.parametrize("capacity, window, B, kernel, splits", [
@@ -66,12 +84,12 @@ def _plan(monkeypatch, capacity, window=(-1, -1), B=1, num_splits=None, major=9,
     (16384, (-1, -1), 1, "gluon", 16384 // 32 // 4),       # four tiles a split at least
     (32768, (-1, -1), 64, "gluon", 132 * 12 // 512 * 3),  # a wave's splits of 10,923 keys: three waves of them
     (16384, (-1, -1), 256, "gluon", 4),                    # more pairs than one wave: splits of SPLIT_KEYS
-    (8192, (-1, -1), 1, "triton", None),                   # below MIN_KEYS: Triton's kernel
+    (8192, (-1, -1), 1, "triton", None),                   # below SM90_DECODE_KEYS: the portable kernel
     (131072, (127, 0), 1, "triton", None),                 # a window shows a few blocks
 ])
 def test_plan_takes_the_kernel_from_min_keys(monkeypatch, capacity, window, B, kernel, splits):
     plan = _plan(monkeypatch, capacity, window, B)
-    assert (plan.kernel is hopper_decode._decode) == (kernel == "gluon")
+    assert (plan.kernel is hopper_decode._decode_sm90) == (kernel == "gluon")
     if splits is not None:
         assert plan.splits == splits and plan.grid == (splits, 8, B)
         assert dict(plan.options)["num_warps"] == 1
@@ -82,10 +100,10 @@ def test_plan_launches_the_combine_early_from_sm90(monkeypatch, major, registers
     """From sm_90 the combine is a programmatic dependent of the decode kernel (launch_pdl, and its programs
     wait for the decode kernel's writes); before, an ordinary launch with no wait compiled in."""
     plan = _plan(monkeypatch, 131072, major=major, registers=registers)
-    assert plan.splits > 1 and (plan.kernel is hopper_decode._decode) == registers
-    combine = dict(plan.combine)
+    assert plan.splits > 1 and (plan.kernel is hopper_decode._decode_sm90) == registers
+    combine = dict(plan.merge)
     assert combine["PDL"] is early and combine["launch_pdl"] is early
-    if plan.kernel is decode._decode:  # Triton's kernel lets the combine launch only where it is early
+    if plan.kernel is decode._decode:  # the portable kernel lets the combine launch only where it is early
         assert dict(plan.options)["PDL"] is early
 
 
@@ -107,14 +125,14 @@ def test_plan_walks_contiguous_and_paged_caches(monkeypatch, page, key_words):
     (3008, 3, 64, 3, False),         # its three
 ])
 def test_plan_fetches_whole_lines_on_long_paged_walks(monkeypatch, capacity, B, page, num_splits, lines):
-    monkeypatch.setattr(hopper_decode, "MIN_KEYS", 0)
+    monkeypatch.setattr(dispatch, "SM90_DECODE_KEYS", 0)
     plan = _plan(monkeypatch, capacity, B=B, page=page, num_splits=num_splits)
-    assert plan.kernel is hopper_decode._decode and dict(plan.options)["LINES"] is lines
+    assert plan.kernel is hopper_decode._decode_sm90 and dict(plan.options)["LINES"] is lines
 
 
 def test_plan_keeps_num_splits(monkeypatch):
     plan = _plan(monkeypatch, 65536, num_splits=7)
-    assert plan.kernel is hopper_decode._decode and plan.splits == 7
+    assert plan.kernel is hopper_decode._decode_sm90 and plan.splits == 7
 
 
 PATTERNS = {  # id: (keywords, learned sinks)
@@ -146,22 +164,18 @@ def _queries(q, q_fp8, Hkv):
 
 def _run(q, k8, v8, lengths, descales, pattern, sinks, num_splits, kernel, monkeypatch, **extra):
     """The call's output through ``kernel`` ("gluon": every cache length, MIN_KEYS set to 0; "triton": the
-    Gluon kernel refused), and the kernels it launched. ``extra``: more keywords of the call (the keys and
+    Gluon kernel refused: the cache taken as one it cannot read), and the kernels it launched. ``extra``: more keywords of the call (the keys and
     values it appends, a block table)."""
     launched = []
-    real = decode.launch
+    real = split.launch
     with monkeypatch.context() as m:
-        m.setattr(decode, "launch", lambda fn, *a: launched.append(fn) or real(fn, *a))
-        m.setattr(hopper_decode, "MIN_KEYS", 0)
+        m.setattr(split, "launch", lambda fn, *a: launched.append(fn) or real(fn, *a))
+        m.setattr(dispatch, "SM90_DECODE_KEYS", 0)
         if kernel == "triton":
-            m.setattr(hopper_decode, "serves", lambda *a: False)
-        decode._decode_plan.cache_clear()  # plans made under other settings, and none left for later tests
-        try:
-            with torch.no_grad():
-                out = gstar.flash_attention_with_kvcache(q, k8, v8, cache_seqlens=lengths, sinks=sinks,
-                                                         num_splits=num_splits, **descales, **pattern, **extra)
-        finally:
-            decode._decode_plan.cache_clear()
+            m.setattr(hopper_decode, "fits", lambda *a: False)
+        with torch.no_grad():
+            out = gstar.flash_attention_with_kvcache(q, k8, v8, cache_seqlens=lengths, sinks=sinks,
+                                                     num_splits=num_splits, **descales, **pattern, **extra)
     return out, launched
 
 
@@ -191,7 +205,7 @@ def test_gpu_both_kernels_within_bar(pattern_id, q_fp8, nq, num_splits, page, mo
     for kernel in ("gluon", "triton"):
         outs[kernel], launched = _run(q, k_cache, v_cache, lengths, descales, pattern, sinks, num_splits, kernel,
                                       monkeypatch, **paged)
-        assert (hopper_decode._decode in launched) == (kernel == "gluon"), launched
+        assert (hopper_decode._decode_sm90 in launched) == (kernel == "gluon"), launched
     for b in range(B):
         n = int(lengths[b])
         q_b = _dequantized(q[b:b + 1], qd[b:b + 1], Hq // Hkv) if q_fp8 else q[b:b + 1].double()
@@ -224,7 +238,7 @@ def test_gpu_appended_keys_through_both_kernels(q_fp8, monkeypatch):
         k_cache, v_cache = k8.clone(), v8.clone()
         outs[kernel], launched = _run(q, k_cache, v_cache, lengths, descales, dict(causal=True), sinks, None, kernel,
                                       monkeypatch, k=k_new, v=v_new)
-        assert (hopper_decode._decode in launched) == (kernel == "gluon"), launched
+        assert (hopper_decode._decode_sm90 in launched) == (kernel == "gluon"), launched
         for b in range(B):
             n = int(lengths[b])
             assert torch.equal(k_cache[b, :, n:n + nq].view(torch.uint8), k_new[b].view(torch.uint8))
@@ -247,19 +261,19 @@ def test_gpu_appended_keys_through_both_kernels(q_fp8, monkeypatch):
 def test_gpu_long_cache_takes_the_gluon_kernel(monkeypatch):
     """A cache past MIN_KEYS takes the Gluon kernel by itself (no setting changed), ragged lengths within it."""
     g = torch.Generator().manual_seed(7)
-    B, Hq, Hkv, D, capacity = 2, 64, 8, 64, hopper_decode.MIN_KEYS + 35
+    B, Hq, Hkv, D, capacity = 2, 64, 8, 64, dispatch.SM90_DECODE_KEYS + 35
     lengths = torch.tensor([9000, capacity], dtype=torch.int32, device="cuda")
     k8, kd = gstar.quantize_fp8(torch.randn(B, Hkv, capacity, D, generator=g).cuda())
     v8, vd = gstar.quantize_fp8(torch.randn(B, Hkv, capacity, D, generator=g).cuda())
     q = torch.randn(B, Hq, 1, D, generator=g).bfloat16().cuda()
     sinks = torch.randn(Hq, generator=g).cuda()
     launched = []
-    real = decode.launch
-    monkeypatch.setattr(decode, "launch", lambda fn, *a: launched.append(fn) or real(fn, *a))
+    real = split.launch
+    monkeypatch.setattr(split, "launch", lambda fn, *a: launched.append(fn) or real(fn, *a))
     with torch.no_grad():
         out = gstar.flash_attention_with_kvcache(q, k8, v8, cache_seqlens=lengths, sinks=sinks, k_descale=kd,
                                                  v_descale=vd)
-    assert hopper_decode._decode in launched
+    assert hopper_decode._decode_sm90 in launched
     for b in range(B):
         n = int(lengths[b])
         k_b, v_b = _dequantized(k8[b:b + 1, :, :n], kd[b:b + 1]), _dequantized(v8[b:b + 1, :, :n], vd[b:b + 1])

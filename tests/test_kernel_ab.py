@@ -1,4 +1,4 @@
-"""scripts/kernel-ab: another version of a Hopper kernel module loads beside the tree's (its relative imports
+"""scripts/kernel-ab: another version of an sm_90 kernel module loads beside the tree's (its relative imports
 resolved), from a file or a git revision, and a machine without an H100 / H200 gets a clear exit, not a crash.
 
 The timing itself needs an sm_90 GPU; these run where there is none (CI), in a subprocess as a user would."""
@@ -24,8 +24,8 @@ def _run(*args):
 
 
 @pytest.mark.parametrize("module,other", [
-    ("hopper_backward", "HEAD"),                                  # a git revision's version
-    ("hopper", str(ROOT / "src" / "gstar" / "kernels" / "hopper.py")),  # a file
+    ("backward", "HEAD"),                                                  # a git revision's version
+    ("forward", str(ROOT / "src" / "gstar" / "kernels" / "sm90" / "forward.py")),  # a file
 ])
 def test_loads_the_other_version_then_asks_for_sm90(module, other):
     result = _run(module, other, "--case", "D128 causal")
@@ -34,9 +34,9 @@ def test_loads_the_other_version_then_asks_for_sm90(module, other):
 
 
 def test_unknown_revision_and_case_are_named():
-    result = _run("hopper_backward", "no-such-revision")
+    result = _run("backward", "no-such-revision")
     assert result.returncode == 1
     assert "'no-such-revision' is neither a file nor a revision" in result.stderr
-    result = _run("hopper", "HEAD", "--case", "no such case")
+    result = _run("forward", "HEAD", "--case", "no such case")
     assert result.returncode == 2
     assert "no case label contains 'no such case'" in result.stderr

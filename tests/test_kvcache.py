@@ -12,10 +12,10 @@ import torch
 from tiers import grid
 
 import gstar
-from gstar.accuracy import relative_error
-from gstar.kernels import decode
-from gstar.kvcache import _pages
-from gstar.pattern import Pattern
+from gstar.lab.accuracy import relative_error
+from gstar.kernels import card
+from gstar.kernels.portable import decode
+from gstar.pattern import Pattern, read_blocks
 
 EXACT = 1e-12   # float64 on both sides: orders of summation differ, nothing else
 FLOAT32 = 1e-4  # the float32 bar
@@ -67,7 +67,7 @@ def make_case(*, block_size, nq, pattern, learned_sinks, append, heads=(4, 2), l
         pages = torch.randperm(pool, generator=g)[:B * blocks].view(B, blocks).int()
         table = torch.full_like(pages, -1)
         for b in range(B):
-            seen = _pages(Pattern.make(nq, total[b], **pattern), block_size)
+            seen = read_blocks(Pattern.make(nq, total[b], **pattern), block_size)
             table[b, seen] = pages[b, seen]
             for j in range(blocks):  # every block the sequence fills, visible or not, is written
                 lo, hi = j * block_size, min((j + 1) * block_size, lengths[b])
@@ -153,7 +153,7 @@ GPU_SPLITS = {"nq1-auto": (1, None), "nq1-split3": (1, 3), "nq3-split7": (3, 7),
 def test_gpu_triton_kernel(layout, pattern, learned_sinks, nq, splits, dtype):
     """The compiled kernel on the grid, appending, longer ragged caches: output within 2x PyTorch's error in
     the same dtype, the LSE within the float32 bar."""
-    from gstar.accuracy import verdict
+    from gstar.lab.accuracy import verdict
 
     q, k_cache, v_cache, kwargs, keys, values = make_case(
         block_size=layout, nq=nq, pattern=pattern, learned_sinks=learned_sinks, append=True, dtype=dtype,
@@ -208,7 +208,7 @@ def _case(**overrides):
 def test_compiled_step_matches_eager(layout):
     """torch.compile(fullgraph=True) traces a decode step (the append in place, the attention as the
     ``gstar::decode`` operator, opcheck'd): the same output, LSE and cache as the eager call."""
-    from gstar.kvcache import decode_op
+    from gstar.kvcache import Cache, decode_op
 
     q, k_cache, v_cache, kwargs, _, _ = make_case(block_size=layout, nq=3, pattern=dict(causal=True, window=(6, 0),
                                                   sink_tokens=3), learned_sinks=True, append=True,
@@ -223,8 +223,10 @@ def test_compiled_step_matches_eager(layout):
     eager = step(q, *caches[1])
     for got, want in zip((*compiled, *caches[0]), (*eager, *caches[1])):
         assert torch.equal(got, want)
+    capacity = Cache(*caches[1], kwargs.get("block_table")).capacity
+    pattern = Pattern.make(3, capacity, causal=True, window=(6, 0), sink_tokens=3)
     torch.library.opcheck(decode_op, (q, *caches[1], kwargs.get("block_table"), kwargs["cache_seqlens"],
-                                      kwargs["sinks"], 3, True, 6, 0, 3, 0.35, 2, "torch", None, None))
+                                      kwargs["sinks"], 3, list(pattern.fields()), 0.35, 2, "torch", None, None))
 
 
 def test_bad_input():
@@ -270,8 +272,8 @@ def test_unchecked_values_are_trusted():
 def test_gpu_decode_loop_within_bar_without_recompiles(layout):
     """bf16 GPT-OSS heads, one token a step for 64 steps from ragged lengths: every step within 2x the error
     of PyTorch's bf16 attention against float32, and one compiled kernel for the whole loop."""
-    from gstar.accuracy import verdict
-    from gstar.kernels.decode import _decode
+    from gstar.lab.accuracy import verdict
+    from gstar.kernels.portable.decode import _decode
 
     torch.manual_seed(0)
     B, Hq, Hkv, D, bs = 3, 64, 8, 64, 16
@@ -345,9 +347,9 @@ def test_gpu_cuda_graph_replays_with_new_lengths():
 def test_paged_register_cap_only_where_it_fits(monkeypatch, paged, cache_dtype, nq, dim, capped):
     """The Hopper decode plan caps registers for a paged 16-bit cache with 16 rows of narrow heads and no other
     (compiled for sm_90a, 64 registers spill at 32 rows or at head dim 128)."""
-    monkeypatch.setattr(decode, "capability_major", lambda device: 9)
-    plan = decode._decode_plan.__wrapped__(
-        B=2, Hq=16, Hkv=2, nq=nq, D=dim, Dv=dim, paged=paged, block_size=64 if paged else 0, capacity=4096,
+    monkeypatch.setattr(card, "capability_major", lambda device: 9)
+    plan = decode.plan.__wrapped__(
+        B=2, Hq=16, Hkv=2, nq=nq, D=dim, Dv=dim, paged=paged, block_size=64 if paged else 0,
         pattern=Pattern.make(nq, 4096, causal=True), device=torch.device("cuda"), precision="tf32", num_splits=4,
-        fp8=cache_dtype == torch.float8_e4m3fn, registers=False)
+        fp8=cache_dtype == torch.float8_e4m3fn)
     assert dict(plan.options).get("maxnreg") == (decode.PAGED_REGISTERS if capped else None)

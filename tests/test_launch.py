@@ -10,7 +10,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from gstar.kernels import launch as launching
-from gstar.kernels.descriptors import tiles
+from gstar.kernels.common.descriptors import tiles
 from gstar.kernels.launch import constexprs, launch
 
 
@@ -33,7 +33,7 @@ class _Recorder:
     function, packed_metadata = "function handle", "packed metadata"
 
     def __init__(self, monkeypatch):
-        self.calls = []
+        self.calls, self.cache = [], None
         self.fn = JITFunction(_never_compiled)  # a real JITFunction even under the interpreter
         monkeypatch.setattr(launching, "_replay", None)  # a process that has not launched yet
         monkeypatch.setattr(self.fn, "run", self.triton)
@@ -48,7 +48,9 @@ class _Recorder:
         self.calls.append(("direct", launcher_args))
 
     def launch(self, x, *scalars, **kwargs):
-        launching._launch(self.fn, (3, 1, 1), 0, (x,), scalars, constexprs(num_warps=4, **kwargs))
+        if self.cache is None:  # the kernel's parameters by name, learnt at its first launch
+            self.cache = launching._KernelCache(self.fn, dict(zip(("X", "n", "stride", "factor"), (x, *scalars))))
+        launching._launch(self.fn, self.cache, (3, 1, 1), 0, (x,), scalars, constexprs(num_warps=4, **kwargs))
         return self.calls[-1][0]
 
 
@@ -157,10 +159,20 @@ def test_keys_separate_what_triton_specialises_on():
 
 def _run_and_check(device, x, n, stride, factor, negate=False):
     y = torch.full((n,), float("nan"), dtype=x.dtype, device=device)
-    launch(_scaled_copy, (triton.cdiv(n, 32), 1, 1), (x, y), (n, stride, factor),
+    launch(_scaled_copy, (triton.cdiv(n, 32), 1, 1), dict(Y=y, factor=factor, X=x, stride=stride, n=n),
            constexprs(BLOCK=32, NEGATE=negate, num_warps=1, num_stages=1))
     want = x[: n * stride: stride] * factor
     torch.testing.assert_close(y, -want if negate else want)
+
+
+def test_arguments_go_by_name():
+    """A launch orders its arguments by the kernel's parameters, whatever order they come in: the pointers,
+    then the runtime scalars (the constexprs come as options); a missing one is named."""
+    cache = launching._KernelCache(_scaled_copy, dict(factor=1.0, n=3, stride=1, Y=None, X=torch.zeros(3)))
+    assert cache.names == ("X", "Y", "n", "stride", "factor") and cache.pointers == 2
+    x = torch.zeros(64)
+    with pytest.raises(KeyError, match="stride"):
+        launch(_scaled_copy, (1, 1, 1), dict(X=x, Y=x, n=3, factor=1.0), constexprs(BLOCK=32))
 
 
 def test_launch_runs_the_kernel(device):
@@ -206,7 +218,7 @@ def test_decode_steps_reuse_one_kernel():
     transformers' DynamicCache makes with torch.cat): each step matches the reference, and the forward
     kernel's class map stops growing once each int class has been seen."""
     import gstar
-    from gstar.kernels.forward import _forward_kernel
+    from gstar.kernels.portable.forward import _forward
     from gstar.reference import naive_attention
 
     B, Hq, Hkv, D = 1, 8, 2, 64
@@ -221,7 +233,7 @@ def test_decode_steps_reuse_one_kernel():
         out = gstar.flash_attention(q, k, v, sinks=sinks, causal=True, window=(31, 0))
         ref, _ = naive_attention(q.float(), k.float(), v.float(), sinks=sinks, causal=True, window=(31, 0))
         torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=0)
-        compiled.append(len(launching._caches[_forward_kernel].by_class))
+        compiled.append(len(launching._caches[_forward].by_class))
     assert compiled[-30:] == [compiled[-1]] * 30
 
 

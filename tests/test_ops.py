@@ -53,8 +53,9 @@ def _detached(*ts):
 
 
 def _options(pattern, q, k, backend, max_lengths=None) -> tuple:
-    """The operators' non-tensor arguments: nq, nk, left, right, sink_tokens, scale, backend, deterministic."""
-    return (*(max_lengths or (q.shape[2], k.shape[2])), *PATTERNS[pattern], 0.3, backend, True)
+    """The operators' non-tensor arguments: the pattern's fields (nq, nk, left, right, sink_tokens), scale, backend,
+    deterministic."""
+    return ([*(max_lengths or (q.shape[2], k.shape[2])), *PATTERNS[pattern]], 0.3, backend, True)
 
 
 def _opcheck(q, k, v, s, cu_q, cu_k, options):

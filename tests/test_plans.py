@@ -1,4 +1,4 @@
-"""Per-layout launch plans (``_forward_plan`` and ``_backward_plan`` of gstar.kernels.attention): a plan is
+"""Per-layout launch plans (``_plan`` of gstar.kernels.portable.forward and .backward): a plan is
 derived once per layout and reused, and layouts that differ in anything the launch depends on never share
 one.
 
@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import gstar
-from gstar.accuracy import relative_error
-from gstar.kernels import attention
+from gstar.lab.accuracy import relative_error
+from gstar.kernels.portable import backward as portable_backward
+from gstar.kernels.portable import forward as portable_forward
 from gstar.reference import naive_attention
 from inputs import make_qkv
 
@@ -63,10 +64,10 @@ def test_calls_that_differ_in_one_thing_each_match_the_oracle(device):
 
 def test_a_repeated_layout_reuses_its_plans(device):
     _run(device, sinks=True)
-    hits = attention._forward_plan.cache_info().hits, attention._backward_plan.cache_info().hits
+    hits = portable_forward._plan.cache_info().hits, portable_backward._plan.cache_info().hits
     _run(device, sinks=True)
-    assert attention._forward_plan.cache_info().hits == hits[0] + 1
-    assert attention._backward_plan.cache_info().hits == hits[1] + 1
+    assert portable_forward._plan.cache_info().hits == hits[0] + 1
+    assert portable_backward._plan.cache_info().hits == hits[1] + 1
 
 
 @pytest.mark.slow
@@ -78,8 +79,8 @@ def test_cached_plans_give_what_fresh_ones_give(device):
         _run(device, **change)
     cached = [_run(device, **change)[0] for change in changes]
     for change, got in zip(changes, cached):
-        attention._forward_plan.cache_clear()
-        attention._backward_plan.cache_clear()
+        portable_forward._plan.cache_clear()
+        portable_backward._plan.cache_clear()
         fresh, _ = _run(device, **change)
         for a, b in zip(got, fresh):
             assert torch.equal(a, b), change

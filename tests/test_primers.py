@@ -12,9 +12,9 @@ import subprocess
 import pytest
 import torch
 
-from gstar.accuracy import relative_error, verdict
-from gstar.kernels import cuda as cuda_primers
-from gstar.kernels.primers import weighted_row_sum
+from gstar.lab.accuracy import relative_error, verdict
+from gstar.lab import cuda as cuda_primers
+from gstar.lab.primers import weighted_row_sum
 
 ROW_SUM_SHAPES = [(1, 1), (7, 300), (33, 1025), (5, 2500), (70, 17)]
 

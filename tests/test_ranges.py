@@ -1,5 +1,5 @@
-"""The rule and the tile ranges inside the kernels (gstar.kernels.ranges) against their specification in
-gstar.pattern."""
+"""The rule and the block walk inside the kernels (gstar.kernels.common.rule and .walk) against their
+specification in gstar.pattern."""
 
 import itertools
 import random
@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gstar.kernels.ranges import kv_range, q_range, sequence_bounds, visible
+from gstar.kernels.common.rule import Mask, rule, sequence_bounds, visible
+from gstar.kernels.common.walk import block_at, kv_blocks, q_tiles, steps
 from gstar.pattern import Pattern, kv_block_table, q_block_table
 
 LENGTHS = [(1, 1), (1, 17), (17, 1), (17, 17), (33, 64), (64, 33), (70, 130), (113, 127)]
@@ -18,12 +19,11 @@ SINKS = [0, 1, 4, 20]
 
 
 @triton.jit
-def _mask_kernel(Mask, nq, nk, left, right, sink_tokens, ROWS: tl.constexpr, COLS: tl.constexpr,
-                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK_TOKENS: tl.constexpr):
+def _mask_kernel(Mask, nq, nk, left, right, sink_tokens, ROWS: tl.constexpr, COLS: tl.constexpr, MASK: tl.constexpr):
     """Mask: (ROWS, COLS) int8, written with the Triton rule for every (row, key) pair."""
     rows = tl.arange(0, ROWS)[:, None]
     cols = tl.arange(0, COLS)[None, :]
-    ok = visible(rows, cols, nq, nk, left, right, sink_tokens, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS)
+    ok = visible(rule(nq, nk, left, right, sink_tokens, MASK), rows, cols)
     tl.store(Mask + rows * COLS + cols, ok.to(tl.int8))
 
 
@@ -40,29 +40,43 @@ def _random_patterns(n, seed=0):
 
 
 def test_kernel_rule_equals_the_pattern_rule(device):
-    """The Triton rule (gstar.kernels.ranges.visible) against Pattern.visible, pair by pair, for every row
+    """The Triton rule (gstar.kernels.common.rule.visible) against Pattern.visible, pair by pair, for every row
     of the sequence and for keys up to 28 past its end (which must stay hidden)."""
     rows, cols = 128, 128
     for p in _random_patterns(300):
-        mask = torch.full((rows, cols), -1, dtype=torch.int8, device=device)
-        _mask_kernel[(1,)](mask, p.nq, p.nk, p.left, p.right, p.sink_tokens, ROWS=rows, COLS=cols,
-                           HAS_LEFT=p.left >= 0, HAS_RIGHT=p.right >= 0, HAS_SINK_TOKENS=p.sink_tokens > 0)
+        got = torch.full((rows, cols), -1, dtype=torch.int8, device=device)
+        _mask_kernel[(1,)](got, p.nq, p.nk, p.left, p.right, p.sink_tokens, ROWS=rows, COLS=cols,
+                           MASK=Mask(p.left >= 0, p.right >= 0, p.sink_tokens > 0))
         want = p.visible(torch.arange(p.nq)[:, None], torch.arange(cols)[None, :])
-        assert torch.equal(mask[:p.nq].bool().cpu(), want), p
+        assert torch.equal(got[:p.nq].bool().cpu(), want), p
 
 
 @triton.jit
-def _ranges_kernel(KV, QT, nq, nk, left, right, sink_tokens, n_q_tiles, n_kv_tiles,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """KV: (n_q_tiles, 5) and QT: (n_kv_tiles, 4) int32, written with every tile's ranges."""
+def _ranges_kernel(KV, QT, Walk, nq, nk, left, right, sink_tokens, n_q_tiles, n_kv_tiles, max_steps,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr):
+    """KV: (n_q_tiles, 5) and QT: (n_kv_tiles, 4) int32, written with every tile's blocks and Q tiles; Walk:
+    (n_q_tiles, 3 + max_steps) int32, each Q tile's walk by step: its step bounds, then the block of each step."""
+    r = rule(nq, nk, left, right, sink_tokens, MASK)
     for t in range(0, n_q_tiles):
-        r = kv_range(t * BLOCK_M, nq, nk, left, right, sink_tokens, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-        for c in tl.static_range(5):
-            tl.store(KV + t * 5 + c, r[c])
+        b = kv_blocks(r, t * BLOCK_M, BLOCK_M, BLOCK_N)
+        tl.store(KV + t * 5, b.sink_end)
+        tl.store(KV + t * 5 + 1, b.band_start)
+        tl.store(KV + t * 5 + 2, b.full_start)
+        tl.store(KV + t * 5 + 3, b.full_end)
+        tl.store(KV + t * 5 + 4, b.band_end)
+        lead_end, full_end, n = steps(b)
+        row = Walk + t * (3 + max_steps)
+        tl.store(row, lead_end)
+        tl.store(row + 1, full_end)
+        tl.store(row + 2, n)
+        for i in range(0, n):
+            tl.store(row + 3 + i, block_at(b, i))
     for t in range(0, n_kv_tiles):
-        r = q_range(t * BLOCK_N, nq, nk, left, right, sink_tokens, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-        for c in tl.static_range(4):
-            tl.store(QT + t * 4 + c, r[c])
+        q = q_tiles(r, t * BLOCK_N, BLOCK_M, BLOCK_N)
+        tl.store(QT + t * 4, q.start)
+        tl.store(QT + t * 4 + 1, q.full_start)
+        tl.store(QT + t * 4 + 2, q.full_end)
+        tl.store(QT + t * 4 + 3, q.end)
 
 
 @pytest.mark.parametrize("bm,bn", [(16, 16), pytest.param(16, 32, marks=pytest.mark.slow),
@@ -72,10 +86,19 @@ def test_kernel_ranges_equal_the_pattern_tables(bm, bn, device):
         p = Pattern.make(nq, nk, window=window, sink_tokens=s)
         kv = torch.full((triton.cdiv(nq, bm), 5), -7, dtype=torch.int32, device=device)
         qt = torch.full((triton.cdiv(nk, bn), 4), -7, dtype=torch.int32, device=device)
-        _ranges_kernel[(1,)](kv, qt, nq, nk, p.left, p.right, p.sink_tokens, kv.shape[0], qt.shape[0],
-                             BLOCK_M=bm, BLOCK_N=bn, HAS_LEFT=p.left >= 0, HAS_RIGHT=p.right >= 0)
-        assert kv.tolist() == kv_block_table(p, bm, bn).tolist(), (p, bm, bn)
+        most = triton.cdiv(nk, bn)
+        walk = torch.full((kv.shape[0], 3 + most), -7, dtype=torch.int32, device=device)
+        _ranges_kernel[(1,)](kv, qt, walk, nq, nk, p.left, p.right, p.sink_tokens, kv.shape[0], qt.shape[0], most,
+                             BLOCK_M=bm, BLOCK_N=bn, MASK=Mask(p.left >= 0, p.right >= 0, p.sink_tokens > 0))
+        table = kv_block_table(p, bm, bn).tolist()
+        assert kv.tolist() == table, (p, bm, bn)
         assert qt.tolist() == q_block_table(p, bm, bn).tolist(), (p, bm, bn)
+        for t, (sink_end, band_start, full_start, full_end, band_end) in enumerate(table):
+            # the walk by step: the sink-token blocks, then the band, each once; the interior's steps unmasked
+            blocks = list(range(sink_end)) + list(range(band_start, band_end))
+            lead = sink_end - band_start
+            assert walk[t, :3].tolist() == [lead + full_start, lead + full_end, len(blocks)], (p, t)
+            assert walk[t, 3:3 + len(blocks)].tolist() == blocks, (p, t)
 
 
 @triton.jit

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import gstar
-from gstar.accuracy import verdict
+from gstar.lab.accuracy import verdict
 from gstar.reference import naive_attention
 
 

@@ -1,4 +1,4 @@
-"""gstar.roofline: floors() arithmetic, the JSON round trip, and `gstar roofline` on CPU and GPU."""
+"""gstar.lab.roofline: floors() arithmetic, the JSON round trip, and `gstar roofline` on CPU and GPU."""
 
 import argparse
 import json
@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from gstar import roofline
-from gstar.cli import roofline as cli
+from gstar.lab import roofline
+from gstar.lab.cli import roofline as cli
 from gstar import buffers
 
 CARD = "NVIDIA H100 80GB HBM3"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import gstar
-from gstar.accuracy import verdict
+from gstar.lab.accuracy import verdict
 from gstar.streaming import StreamingCache
 
 

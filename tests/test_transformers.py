@@ -15,8 +15,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 import gstar  # noqa: E402
 import gstar.integrations.transformers  # noqa: E402,F401  (registers "gstar" and "gstar_nondeterministic")
-from gstar.accuracy import max_error as _max_error  # noqa: E402
-from gstar.accuracy import relative_error  # noqa: E402
+from gstar.lab.accuracy import max_error as _max_error  # noqa: E402
+from gstar.lab.accuracy import relative_error  # noqa: E402
 from gstar.integrations.transformers import gstar_attention_forward, gstar_mask  # noqa: E402
 from gstar.reference import naive_attention  # noqa: E402
 
@@ -25,7 +25,7 @@ ATOL = 1e-5  # float32: gstar and eager differ only in summation order
 
 
 def max_error(x, ref):
-    """gstar.accuracy.max_error on detached tensors (outputs here carry autograd history)."""
+    """gstar.lab.accuracy.max_error on detached tensors (outputs here carry autograd history)."""
     return _max_error(x.detach(), ref.detach())
 
 

@@ -17,9 +17,10 @@ import torch
 
 import gstar
 from gstar import ops
-from gstar.accuracy import relative_error, verdict
-from gstar.kernels import attention_backward, configs
-from gstar.kernels.configs import backward_config
+from gstar.lab.accuracy import relative_error, verdict
+from gstar.kernels import attention_backward, card
+from gstar.kernels.portable import tiles
+from gstar.kernels.portable.tiles import backward_config
 from gstar.pattern import Pattern
 from gstar.reference import naive_attention
 from tiers import grid
@@ -216,8 +217,9 @@ def _op_cases(device, backend):
     total = sum(lengths)
     packed = (torch.randn(total, 4, 24, device=device), torch.randn(total, 2, 24, device=device),
               torch.randn(total, 2, 40, device=device), s, cu, cu)
-    options = (5, 0, 2, 0.3, backend, True)  # left, right, sink_tokens, scale, backend, deterministic
-    return [((q, k, v, s, None, None), (29, 29, *options)), (packed, (max(lengths), max(lengths), *options))]
+    options = (0.3, backend, True)  # scale, backend, deterministic; the pattern's fields before them
+    return [((q, k, v, s, None, None), ([29, 29, 5, 0, 2], *options)),
+            (packed, ([max(lengths), max(lengths), 5, 0, 2], *options))]
 
 
 def test_fake_outputs_match_real(device):
@@ -301,14 +303,14 @@ def test_transformers_latent_attention_matches_eager(monkeypatch):
 def test_config_fits_the_mean_padded_width(monkeypatch):
     """Tiles are chosen for the mean of the padded D and Dv: (64, 320) takes the short tiles of width 512,
     (576, 512) those of 1024, (128, 64) keeps D = 128's, and (192, 128) its own measured row."""
-    monkeypatch.setattr(configs, "capability_major", lambda device: 9)
+    monkeypatch.setattr(card, "capability_major", lambda device: 9)
     pattern = Pattern.make(4096, 4096, causal=True)
     for (D, Dv), same in (((64, 320), 512), ((576, 512), 1024), ((128, 64), 128)):
-        assert (configs.forward_config(D, torch.bfloat16, pattern, "cuda", value_dim=Dv)
-                == configs.forward_config(same, torch.bfloat16, pattern, "cuda"))
+        assert (tiles.forward_config(D, torch.bfloat16, pattern, "cuda", value_dim=Dv)
+                == tiles.forward_config(same, torch.bfloat16, pattern, "cuda"))
         assert (backward_config(D, torch.bfloat16, pattern, "cuda", value_dim=Dv)
                 == backward_config(same, torch.bfloat16, pattern, "cuda"))
-    fwd = configs.forward_config(192, torch.bfloat16, pattern, "cuda", value_dim=128)
+    fwd = tiles.forward_config(192, torch.bfloat16, pattern, "cuda", value_dim=128)
     assert (fwd["BLOCK_M"], fwd["BLOCK_N"], fwd["num_stages"], fwd["HALVES"]) == (128, 64, 3, False)
     bwd = backward_config(192, torch.bfloat16, pattern, "cuda", batch_heads=256, value_dim=128)
     assert (bwd.dkdv_m, bwd.dkdv_n, bwd.dq_m, bwd.dq_n, bwd.dq_tma) == (32, 128, 128, 64, True)

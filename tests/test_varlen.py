@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import gstar
-from gstar.accuracy import relative_error, verdict
+from gstar.lab.accuracy import relative_error, verdict
 from gstar.kernels import attention_backward, attention_forward
-from gstar.kernels.configs import BackwardConfig
+from gstar.kernels.portable.tiles import BackwardConfig
 from gstar.pattern import Pattern
 from gstar.reference import naive_attention, tiled_backward, tiled_forward
 from tiers import grid

@@ -11,30 +11,23 @@ The rule is :func:`gstar.flash_attention`'s with the queries as the last ``Nq`` 
 sequence. Only the keys some query can see are read: the sink-token pages and the window's band, so pages
 that no query can see may be recycled by the caller (:class:`gstar.streaming.StreamingCache` does).
 
-On CUDA the Triton kernel (:mod:`gstar.kernels.decode`) splits each sequence's visible keys over several
-programs (split-KV) and merges their partial results by LSE; elsewhere the PyTorch path runs
+On CUDA the decode kernels (:mod:`gstar.kernels.dispatch` picks one) split each sequence's visible keys over several
+programs (split-KV) and merge their partial results by LSE; elsewhere the PyTorch path runs
 :func:`gstar.reference.tiled_forward` per sequence on the keys it gathers.
 """
 
 from __future__ import annotations
 
-import functools
 import numbers
 
 import torch
 
 from . import fp8, ops
-from .api import (
-    _capturing,
-    _check_bool,
-    _check_group,
-    _check_options,
-    _check_tensor,
-    _type_name,
-)
-from .pattern import Pattern, kv_blocks
+from .checks import capturing, check_bool, check_group, check_options, check_tensor, type_name
+from .pattern import Pattern, read_blocks
 
 PAGE_MULTIPLE = 16  # block sizes the kernel reads in whole tiles of 16, 32 or 64 keys
+_CACHE_NAMES = ("q", "k_cache", "v_cache")
 
 
 class Cache:
@@ -65,7 +58,7 @@ class Cache:
 
 def _check_per_sequence(name: str, t, ndim: int, q):
     """An int32 tensor on q's device with one entry (or row) per sequence of q's batch."""
-    _check_tensor(name, t, ndim)
+    check_tensor(name, t, ndim)
     if t.dtype != torch.int32:
         raise TypeError(f"{name} must have dtype torch.int32, got {t.dtype}")
     if t.device != q.device:
@@ -79,21 +72,21 @@ def _check_cache(q, k_cache, v_cache, block_table) -> Cache:
     B = q.shape[0]
     if block_table is None:
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-            _check_tensor(name, t, 4)
+            check_tensor(name, t, 4)
             if t.shape[0] != B:
                 raise ValueError(f"{name} must hold the batch of q ({B} sequences) on dim 0 (a contiguous cache "
                                  f"is (B, Hkv, Nmax, D); pass block_table for a paged one), got {tuple(t.shape)}")
         if k_cache.shape[1:3] != v_cache.shape[1:3]:
             raise ValueError(f"k_cache and v_cache must have the same (Hkv, Nmax): {tuple(k_cache.shape)}, "
                              f"{tuple(v_cache.shape)}")
-        _check_group(q, k_cache, v_cache, fp8_cache=True)
+        check_group(q, k_cache, v_cache, fp8_cache=True, names=_CACHE_NAMES)
         return Cache(k_cache, v_cache, None)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_tensor(name, t, 4)
+        check_tensor(name, t, 4)
     if k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"a paged k_cache and v_cache must have the same (num_blocks, block_size, Hkv): "
                          f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    _check_group(q, k_cache.transpose(1, 2), v_cache.transpose(1, 2), fp8_cache=True)
+    check_group(q, k_cache.transpose(1, 2), v_cache.transpose(1, 2), fp8_cache=True, names=_CACHE_NAMES)
     _check_per_sequence("block_table", block_table, 2, q)
     block_size = k_cache.shape[1]
     if block_size == 0 or block_size % PAGE_MULTIPLE:
@@ -111,7 +104,7 @@ def _check_new(q, cache: Cache, k, v):
     B, _, Nq, _ = q.shape
     Hkv = cache.k.shape[2] if cache.paged else cache.k.shape[1]
     for name, t, like in (("k", k, cache.k), ("v", v, cache.v)):
-        _check_tensor(name, t, 4)
+        check_tensor(name, t, 4)
         want = (B, Hkv, Nq, like.shape[-1])
         if tuple(t.shape) != want:
             raise ValueError(f"{name} must be {want} (B, Hkv, Nq, head dim of the cache), got {tuple(t.shape)}")
@@ -129,19 +122,7 @@ def _check_seqlens(q, cache: Cache, cache_seqlens, appending: bool):
     return cache_seqlens
 
 
-def _patterns(nq: int, causal: bool, window: tuple[int, int], sink_tokens: int):
-    """The rule at each sequence's length: ``nk -> Pattern`` (the queries are the last ``nq`` positions)."""
-    return functools.partial(Pattern.make, nq, causal=causal, window=window, sink_tokens=sink_tokens)
-
-
-def _pages(pattern: Pattern, block_size: int) -> list[int]:
-    """Block indices (along the sequence) holding keys some query of ``pattern`` sees: the sink-token blocks
-    and the window's band."""
-    sink_end, band_start, _, _, band_end = kv_blocks(pattern, 0, max(pattern.nq, 1), block_size)
-    return list(range(sink_end)) + list(range(band_start, band_end))
-
-
-def check_cache_values(q, cache: Cache, cache_seqlens, appending: bool, patterns) -> None:
+def check_cache_values(q, cache: Cache, cache_seqlens, appending: bool, pattern: Pattern) -> None:
     """The values behind the cache: every length within the capacity, every page a query reads inside the
     cache. One device-to-host copy (a sync on CUDA). ``ValueError`` naming the first offender."""
     added = q.shape[2] if appending else 0
@@ -155,7 +136,7 @@ def check_cache_values(q, cache: Cache, cache_seqlens, appending: bool, patterns
         return
     table = cache.block_table.tolist()
     for b, n in enumerate(lengths):
-        for j in _pages(patterns(n + added), cache.block_size):
+        for j in read_blocks(pattern.at(n + added), cache.block_size):
             page = table[b][j]
             if not 0 <= page < cache.num_blocks:
                 raise ValueError(f"block_table[{b}, {j}] = {page} is outside the cache's {cache.num_blocks} blocks "
@@ -177,17 +158,17 @@ def append(cache: Cache, k, v, cache_seqlens) -> None:
             store.permute(0, 2, 1, 3)[batch, pos] = rows
 
 
-def _torch_path(q, cache: Cache, lengths: list[int], sinks, patterns, scale, descale, out_dtype):
+def _torch_path(q, cache: Cache, lengths: list[int], sinks, pattern: Pattern, scale, descale, out_dtype):
     """Per sequence: gather the keys it sees and run the tiled PyTorch forward (an FP8 cache dequantised)."""
     outs, lses = [], []
     for b, nk in enumerate(lengths):
-        pattern = patterns(nk)
-        pages = _pages(pattern, cache.block_size) if cache.paged else None
+        at = pattern.at(nk)
+        pages = read_blocks(at, cache.block_size) if cache.paged else None
         qkv = (q[b:b + 1], *cache.keys(b, pages, nk))
         if descale is not None:  # the dequantised inputs in the output's dtype (a 16-bit q: no descale)
             qkv = (fp8.dequantize(t, None if d is None else d[b:b + 1], None, out_dtype)
                    for t, d in zip(qkv, descale))
-        out, lse = ops.run_forward(ops.Inputs(*qkv, sinks, None, None), ops.Options(pattern, scale, "torch"))
+        out, lse = ops.run_forward(ops.Inputs(*qkv, sinks, None, None), ops.Options(at, scale, "torch"))
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
@@ -231,7 +212,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_s
 
     Returns ``out`` ``(B, Hq, Nq, Dv)`` in q's dtype (or out_dtype), or ``(out, lse)``.
     """
-    _check_tensor("q", q, 4)
+    check_tensor("q", q, 4)
     if q.shape[2] == 0:
         raise ValueError("q must hold at least one query (q.shape[2] >= 1)")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v, sinks)):
@@ -242,45 +223,46 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_s
     appending = k is not None
     cache_seqlens = _check_seqlens(q, cache, cache_seqlens, appending)
     Hq, D, Dv = q.shape[1], q.shape[3], cache.v.shape[-1]
-    window, sink_tokens, scale, backend = _check_options(
+    window, sink_tokens, scale, backend = check_options(
         q, Hq, D, Dv, causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks, scale=scale,
         backend=backend, return_lse=return_lse)
     if num_splits is not None:
         if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool):
-            raise TypeError(f"num_splits must be None or an int, got {_type_name(num_splits)}")
+            raise TypeError(f"num_splits must be None or an int, got {type_name(num_splits)}")
         if num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    _check_bool("check_values", check_values)
+    check_bool("check_values", check_values)
     Nq = q.shape[2]
-    patterns = _patterns(Nq, causal, window, sink_tokens)
+    pattern = Pattern.make(Nq, cache.capacity, causal=causal, window=window, sink_tokens=sink_tokens)
     descale, out_dtype = fp8.check(q, cache.k, cache.v, q_descale=q_descale, k_descale=k_descale,
                                    v_descale=v_descale, out_dtype=out_dtype, sinks=sinks, scale=scale,
                                    batch=q.shape[0], kv_heads=cache.v.shape[-2 if cache.paged else 1],
                                    backend=backend, check_values=check_values) or (None, None)
-    if check_values and not (torch.compiler.is_compiling() or _capturing(q.device)):
-        check_cache_values(q, cache, cache_seqlens, appending, patterns)
+    if check_values and not (torch.compiler.is_compiling() or capturing(q.device)):
+        check_cache_values(q, cache, cache_seqlens, appending, pattern)
     if appending:
         append(cache, k, v, cache_seqlens)
-    args = (q, cache.k, cache.v, cache.block_table, cache_seqlens, sinks, Nq if appending else 0, causal, *window,
-            sink_tokens, scale, num_splits or 0, backend, descale, out_dtype)
+    args = (q, cache.k, cache.v, cache.block_table, cache_seqlens, sinks, Nq if appending else 0,
+            list(pattern.fields()), scale, num_splits or 0, backend, descale, out_dtype)
     out, lse = decode_op(*args) if torch.compiler.is_compiling() else _attend(*args)
     return (out, lse) if return_lse else out
 
 
-def _attend(q, k_cache, v_cache, block_table, cache_seqlens, sinks, added, causal, left, right, sink_tokens, scale,
-            num_splits, backend, descale, out_dtype):
-    """``(out, lse)`` on validated inputs, the cache already appended to (``added`` keys this call); flat
-    arguments, those of the operator below (``num_splits`` 0: picked by the rule; ``descale``, ``out_dtype``:
-    an FP8 cache's, from :func:`gstar.fp8.check`, else None)."""
-    cache, patterns = Cache(k_cache, v_cache, block_table), _patterns(q.shape[2], causal, (left, right), sink_tokens)
+def _attend(q, k_cache, v_cache, block_table, cache_seqlens, sinks, added, pattern, scale, num_splits, backend,
+            descale, out_dtype):
+    """``(out, lse)`` on validated inputs, the cache already appended to (``added`` keys this call); the
+    arguments of the operator below (``pattern``: the rule at the cache's capacity, as
+    :meth:`gstar.pattern.Pattern.fields`; ``num_splits`` 0: picked by the rule; ``descale``, ``out_dtype``: an
+    FP8 cache's, from :func:`gstar.fp8.check`, else None)."""
+    cache, pattern = Cache(k_cache, v_cache, block_table), Pattern.from_fields(pattern)
     descale = None if descale is None else tuple(descale)  # the operator hands the tuple over as a list
     if backend == "torch":
         lengths = ([n + added for n in cache_seqlens.tolist()] if cache_seqlens is not None
                    else [cache.capacity] * q.shape[0])
-        return _torch_path(q, cache, lengths, sinks, patterns, scale, descale, out_dtype)
-    from .kernels.decode import decode_forward
+        return _torch_path(q, cache, lengths, sinks, pattern, scale, descale, out_dtype)
+    from .kernels import decode_forward
     return decode_forward(q, cache, cache_seqlens, added, None if sinks is None else sinks.float(),
-                          patterns(cache.capacity), scale, num_splits or None, descale, out_dtype)
+                          pattern, scale, num_splits or None, descale, out_dtype)
 
 
 # torch.compile traces this operator in place of _attend (eager calls skip the dispatcher's host time): the
@@ -288,8 +270,7 @@ def _attend(q, k_cache, v_cache, block_table, cache_seqlens, sinks, added, causa
 decode_op = torch.library.custom_op(
     "gstar::decode", _attend, mutates_args=(),
     schema="(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? block_table, Tensor? cache_seqlens, Tensor? sinks, "
-           "SymInt added, bool causal, SymInt left, SymInt right, SymInt sink_tokens, float scale, SymInt num_splits, "
-           "str backend, Tensor?[]? descale, ScalarType? out_dtype) -> (Tensor, Tensor)")
+           "SymInt added, SymInt[] pattern, float scale, SymInt num_splits, str backend, Tensor?[]? descale, ScalarType? out_dtype) -> (Tensor, Tensor)")
 
 
 @decode_op.register_fake

@@ -52,26 +52,23 @@ class Options(NamedTuple):
     deterministic: bool = True               # False: the backward may add dQ up in any order (sm_90)
 
 
-# The operators' schema is flat (it takes no tuples): the fields of Inputs, then those of the pattern, the
-# scale, the backend and the determinism flag. _op_args and _named are the only code that knows these positions.
-_OPTION_ARGS = ("SymInt nq, SymInt nk, SymInt left, SymInt right, SymInt sink_tokens, float scale, str backend, "
-                "bool deterministic")
+# The operators' schema takes no tuples of mixed types: the fields of Inputs, then the pattern as one list of
+# ints (Pattern.fields), the scale, the backend and the determinism flag. _op_args and _named are the only code
+# that knows these positions.
+_OPTION_ARGS = "SymInt[] pattern, float scale, str backend, bool deterministic"
 _ARGS = f"Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, {_OPTION_ARGS}"
 
 
 def _op_args(inputs: Inputs, options: Options) -> tuple:
     """Names to the operators' positional arguments."""
-    p = options.pattern
-    return (*inputs, p.nq, p.nk, p.left, p.right, p.sink_tokens, options.scale, options.backend,
-            options.deterministic)
+    return (*inputs, list(options.pattern.fields()), options.scale, options.backend, options.deterministic)
 
 
 def _named(args: tuple) -> tuple[Inputs, Options]:
     """The operators' positional arguments to names (the inverse of :func:`_op_args`)."""
-    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, nq, nk, left, right, sink_tokens, scale, backend, deterministic = (
-        args)
+    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, pattern, scale, backend, deterministic = args
     return (Inputs(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k),
-            Options(Pattern(nq, nk, left, right, sink_tokens), scale, backend, deterministic))
+            Options(Pattern.from_fields(pattern), scale, backend, deterministic))
 
 
 @functools.cache  # imported on first use (the kernels import triton), then looked up for free

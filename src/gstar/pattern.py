@@ -22,6 +22,7 @@ blocks and an unmasked interior, so masks are applied only where the rule cuts t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -56,6 +57,19 @@ class Pattern:
         if left < 0:
             sink_tokens = 0  # without a left bound every key below p(i) + right is visible anyway
         return Pattern(nq, nk, left, right, min(sink_tokens, nk))
+
+    def fields(self) -> tuple[int, ...]:
+        """The pattern as plain ints, in field order: how operator schemas carry it (:meth:`from_fields`)."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))  # (astuple would copy SymInts)
+
+    @staticmethod
+    def from_fields(fields) -> "Pattern":
+        """The pattern whose :meth:`fields` these are."""
+        return Pattern(*fields)
+
+    def at(self, nk: int) -> "Pattern":
+        """The same rule over ``nk`` keys (a decode step's sequences share every field but their length)."""
+        return Pattern.make(self.nq, nk, window=(self.left, self.right), sink_tokens=self.sink_tokens)
 
     @property
     def offset(self) -> int:
@@ -161,6 +175,13 @@ def q_blocks(pattern: Pattern, key_start: int, block_m: int, block_n: int) -> tu
     if key_end - key_start < block_n or full_end <= full_start:
         full_start = full_end = end
     return start, full_start, full_end, end
+
+
+def read_blocks(pattern: Pattern, block_size: int) -> list[int]:
+    """Blocks of ``block_size`` keys (indices along the sequence) holding keys some query of ``pattern`` sees:
+    the sink-token blocks and the window's band (the pages a decode step reads)."""
+    sink_end, band_start, _, _, band_end = kv_blocks(pattern, 0, max(pattern.nq, 1), block_size)
+    return list(range(sink_end)) + list(range(band_start, band_end))
 
 
 @functools.lru_cache(maxsize=256)

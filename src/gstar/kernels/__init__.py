@@ -1,15 +1,14 @@
-"""Triton kernels and their host side. Importing this package imports triton; ``gstar.ops`` does so only
-when a call runs on the Triton backend.
+"""Triton and Gluon kernels and their host side. Importing this package imports triton; ``gstar.ops`` and
+``gstar.kvcache`` do so only when a call runs on the Triton backend.
 
-Modules: ``attention`` (the two entry points below and their cached launch plans), ``forward`` and
-``backward`` (the kernels), ``hopper`` and ``hopper_backward`` (sm_90's warp-specialised ones), ``decode``
-(the KV-cache kernel) and ``hopper_decode`` (sm_90's for long FP8 caches, in Gluon), ``widen`` (an FP8
-forward's V, widened before the launch), ``ranges`` (the rule and the tile ranges inside the kernels),
-``schedule`` (the dK/dV work split), ``configs`` (tile sizes per head dim, dtype and card), ``launch`` (the
-cached kernel launcher), ``descriptors`` (tensor descriptors for Hopper's copy engine), ``primers`` (a first
-kernel).
+- ``dispatch``: which kernel serves a call on this card (every measured table), and the three entry points below;
+- ``common``: what every kernel shares (the rule, the block walk, the softmax, FP8's descales, split-KV's merge,
+  the backward's partial sums);
+- ``portable``: the Triton kernels of every GPU (forward, backward, decode) with their tiles and dK/dV schedule;
+- ``sm90``: the Gluon kernels of H100 / H200 (forward, fused backward, FP8 decode) and their rings;
+- ``device`` (the card's facts) and ``launch`` (the cached kernel launcher).
 """
 
-from .attention import attention_backward, attention_forward
+from .dispatch import attention_backward, attention_forward, decode_forward
 
-__all__ = ["attention_forward", "attention_backward"]
+__all__ = ["attention_backward", "attention_forward", "decode_forward"]

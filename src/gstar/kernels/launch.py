@@ -7,20 +7,20 @@ most of it Triton re-deriving, argument by argument, which compiled specialisati
 it up; the launch itself takes about 10 us (``scripts/profile-host``). At small shapes (the stage rows, a
 128-key window layer) the host is slower than the GPU, so these microseconds are the kernel's speed.
 
-:func:`launch` takes a kernel's arguments in three groups, as our kernels order their parameters: the
-tensors (pointer parameters, first), the scalars (ints and floats) and the constexprs with the launch
-options (a tuple made once per shape by :func:`constexprs`). It keeps two maps per kernel, both keyed on a
-*refinement* of Triton's specialisation: the dtype and 16-byte alignment of every tensor, every
-constexpr and launch option, and the scalars either exactly (the first map: the cheapest key, a tuple
-hashed as it comes) or by class (the second: each int equal to 1, a multiple of 16 or neither, and
-32-bit, 64-bit or wider; each float by its type; a tuple of strides element by element). Calls with equal
-keys have equal Triton
-specialisations and run the same compiled kernel, which the first such call obtained through Triton's
-normal path; the scalars themselves are passed at every launch. A repeated shape hits the first map; a
-shape that changes every call (a decode loop's growing Nk and the strides of its growing K/V cache)
-misses it and hits the second. Anything else (a tensor descriptor argument, a launch hook such as a
-profiler's, the interpreter) takes Triton's normal path every time. Triton settings read at launch
-(``TRITON_DEBUG``, instrumentation) reach a cached kernel only through a new process.
+:func:`launch` takes a kernel's runtime arguments by name (a plan keeps those fixed per shape, the call adds the
+tensors and what else changes) and its constexprs with the launch options (a tuple made once per shape by
+:func:`constexprs`). It orders them by the kernel's parameters (pointer parameters first, then the runtime
+scalars, then the constexprs, as every kernel of gstar declares them) and keeps two maps per kernel, both keyed on
+a *refinement* of Triton's specialisation: the dtype and 16-byte alignment of every tensor, every constexpr and
+launch option, and the scalars either exactly (the first map: the cheapest key, a tuple hashed as it comes) or by
+class (the second: each int equal to 1, a multiple of 16 or neither, and 32-bit, 64-bit or wider; each float by
+its type; a tuple of strides element by element). Calls with equal keys have equal Triton specialisations and run
+the same compiled kernel, which the first such call obtained through Triton's normal path; the scalars themselves
+are passed at every launch. A repeated shape hits the first map; a shape that changes every call (a decode loop's
+growing Nk and the strides of its growing K/V cache) misses it and hits the second. Anything else (a tensor
+descriptor argument, a launch hook such as a profiler's, the interpreter) takes Triton's normal path every time.
+Triton settings read at launch (``TRITON_DEBUG``, instrumentation) reach a cached kernel only through a new
+process.
 
 The direct launch replays the call that Triton's own launch makes to a compiled kernel (``kernel.run`` with
 its ``function`` and ``packed_metadata``, the constexprs found through ``fn.signature`` and
@@ -120,39 +120,52 @@ class _Compiled:
 
 class _KernelCache:
     """One kernel's compiled kernels: ``exact`` maps keys with exact scalars, ``by_class`` keys with scalar
-    classes; both to :class:`_Compiled` (an exact entry shares the object of its class entry)."""
+    classes; both to :class:`_Compiled` (an exact entry shares the object of its class entry). ``names``: its
+    runtime parameters in order, of which the first ``pointers`` take tensors (learnt at its first launch)."""
 
-    __slots__ = ("exact", "by_class")
+    __slots__ = ("exact", "by_class", "names", "pointers")
 
-    def __init__(self):
+    def __init__(self, fn, args: dict):
         self.exact, self.by_class = {}, {}
+        parameters = inspect.signature(getattr(fn, "fn", fn)).parameters  # the interpreter's kernels too
+        self.names = tuple(n for n, p in parameters.items() if "constexpr" not in str(p.annotation))
+        self.pointers = next((i for i, n in enumerate(self.names) if not _is_pointer(args[n])), len(self.names))
+
+
+def _is_pointer(x) -> bool:
+    """Whether a value is a pointer argument: a tensor, a tensor descriptor, or None (an absent tensor)."""
+    return x is None or isinstance(x, torch.Tensor) or hasattr(x, "base")
 
 
 _caches: dict = {}  # JITFunction -> _KernelCache
 
 
-def launch(fn, grid: tuple[int, int, int], tensors: tuple, scalars: tuple, options: tuple) -> None:
-    """``fn[grid](*tensors, *scalars, **dict(options))`` on the device of ``tensors``, through the cache
-    above.
+def launch(fn, grid: tuple[int, int, int], args: dict, options: tuple) -> None:
+    """``fn[grid](**args, **dict(options))`` on the device of the tensors in ``args``, through the cache above.
 
-    fn: a ``@triton.jit`` function whose parameters are the pointer arguments ``tensors`` (torch tensors,
-    None, or tensor descriptors), then the runtime ``scalars`` (ints, floats), then constexpr parameters,
-    given in ``options`` (from :func:`constexprs`, with the launch options) or left at their defaults;
-    grid: three ints. Each scalar keeps its type from call to call (the exact map compares values, and
-    ``2 == 2.0``): pass floats as floats even when they are whole. Triton launches on the current CUDA
-    device, which need not hold the tensors (a model spread over GPUs calls layer by layer without
+    fn: a ``@triton.jit`` function whose parameters are its pointer arguments (torch tensors, None, or tensor
+    descriptors), then its runtime scalars (ints, floats, tuples of them), then constexpr parameters; args: every
+    runtime parameter by name; options: its constexprs (from :func:`constexprs`, with the launch options), or
+    left at their defaults; grid: three ints. Each scalar keeps its type from call to call (the exact map
+    compares values, and ``2 == 2.0``): pass floats as floats even when they are whole. Triton launches on the
+    current CUDA device, which need not hold the tensors (a model spread over GPUs calls layer by layer without
     switching), so a launch for another device switches to it, as PyTorch's own operators do.
     """
+    cache = _caches.get(fn)
+    if cache is None:
+        cache = _caches[fn] = _KernelCache(fn, args)
+    values = tuple(map(args.__getitem__, cache.names))
+    tensors, scalars = values[:cache.pointers], values[cache.pointers:]
     first = next(t for t in tensors if t is not None)
     index = (first if isinstance(first, torch.Tensor) else first.base).get_device()  # -1 on the CPU
     if index >= 0 and index != torch.cuda.current_device():
         with torch.cuda.device(index):
-            _launch(fn, grid, index, tensors, scalars, options)
+            _launch(fn, cache, grid, index, tensors, scalars, options)
     else:
-        _launch(fn, grid, index, tensors, scalars, options)
+        _launch(fn, cache, grid, index, tensors, scalars, options)
 
 
-def _launch(fn, grid, device: int, tensors: tuple, scalars: tuple, options: tuple) -> None:
+def _launch(fn, cache: _KernelCache, grid, device: int, tensors: tuple, scalars: tuple, options: tuple) -> None:
     global _replay
     signature = None
     if device >= 0 and _replay is not False and isinstance(fn, JITFunction) and not (
@@ -162,9 +175,6 @@ def _launch(fn, grid, device: int, tensors: tuple, scalars: tuple, options: tupl
         fn[grid](*tensors, *scalars, **dict(options))
         return
     key = (device, signature, scalars, options)
-    cache = _caches.get(fn)
-    if cache is None:
-        cache = _caches[fn] = _KernelCache()
     hit = cache.exact.get(key)
     if hit is None:
         classes = _classes(scalars)

@@ -1,4 +1,0 @@
-"""The autograder behind ``gstar check``: the ten stages (:mod:`.stages`) and their runner (:mod:`.runner`).
-
-Like :mod:`gstar.bench`, nothing here imports triton at import time.
-"""

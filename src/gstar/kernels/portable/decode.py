@@ -1,0 +1,230 @@
+"""The portable decode kernel: a few queries against a long contiguous or paged cache, split over programs
+(split-KV), and its plan.
+
+``_decode`` runs on a grid ``(splits, Hkv * row_tiles, B)``. A program stacks every query head of one GQA
+group and every query row in one tile (row ``r``: head ``hkv * group + r // Nq``, query ``r % Nq``), so each
+K/V block is read once for the group. It reads its sequence's length on the device, finds the visible blocks
+(:func:`kv_blocks`: the sink-token blocks, then the window's band), and walks its share of them by step: split
+``s`` takes the ``s``-th of ``splits`` equal runs. A paged cache is read block by block through the block table
+(``BLOCK_N`` divides the block size, so a tile lies in one page). The softmax is every forward's
+(:func:`softmax_step`). From a contiguous cache it is masked on the blocks the rule cuts (the sink-token
+blocks, the band's ends, the last block of the sequence) and unmasked on the whole blocks between, whose loads
+carry no masks either; a paged cache's blocks all take the masked loop. An FP8 cache runs ``P V`` in float16
+(:func:`_widen_values`), and ``Q K^T`` in float16 too under 16-bit queries (bfloat16 ones scaled into its range,
+:func:`half_queries`). With one split a program finishes its rows, the learned sink included; with several each
+stores its partial result and :func:`gstar.kernels.common.split.combine` merges them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
+
+from ...pattern import Pattern, cdiv
+from ..common.fp8 import half_queries, load_descales
+from ..common.rule import bounds, mask, rule
+from ..common.sizes import pad_head_dim
+from ..common.softmax import finish_state, softmax_step, start_state
+from ..common.split import Plan, decode_program, decode_rows, early_combine, merge_options, visible_blocks
+from ..common.walk import ALL_ROWS, block_at, kv_blocks, steps
+from .. import card
+from ..launch import constexprs
+
+MAX_TILE_ROWS = 128  # stacked rows (group x queries) a program holds; more take further row tiles
+MAX_SPLITS = 64
+SPLIT_KEYS = 2048  # keys one split walks at most (while MAX_SPLITS allows): 32 tiles of 64
+PAGED_REGISTERS = 64  # per thread: a paged 16-bit cache's kernel on Hopper, 16 rows of narrow heads
+
+
+@triton.jit
+def _block_ptrs(Cache, BlockTable, b, hkv, start_n, offs_n, offs_d, stride_c, stride_bt, page_size,
+                PAGED: tl.constexpr):
+    """Pointers to keys ``start_n + offs_n`` of sequence ``b``, kv head ``hkv``: (BLOCK_N, D) for ``offs_d``.
+    Contiguous caches have (batch, head, row) strides ``stride_c``; paged ones (page, row, head), the page
+    of the block read from the block table."""
+    if PAGED:
+        page = tl.load(BlockTable + b * stride_bt + start_n // page_size).to(tl.int64)
+        rows = page * stride_c[0] + (start_n % page_size + offs_n).to(tl.int64) * stride_c[1] + hkv * stride_c[2]
+    else:
+        rows = b * stride_c[0] + hkv * stride_c[1] + (start_n + offs_n).to(tl.int64) * stride_c[2]
+    return Cache + rows[:, None] + offs_d[None, :]
+
+
+@triton.jit
+def _widen_values(v, PTX_WIDEN: tl.constexpr):
+    """An FP8 value tile (BLOCK_N, DV_PAD) as float16, exactly (every e4m3 value is one). PTX_WIDEN: Ada's and
+    Hopper's pair conversion, written as inline PTX that is not pure, so that Triton converts in the layout the
+    tile was loaded in and hands the product float16 through shared memory; its own conversion moves into the
+    product's operand layout, where an FP8 tile with keys in rows is read from shared memory a byte at a time
+    """
+    if PTX_WIDEN:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [v], dtype=tl.float16, is_pure=False, pack=4)
+    return v.to(tl.float16)
+
+
+@triton.jit
+def _fold_steps(acc, m_i, l_i, q, rows, i_lo, i_hi, cache, blocks, rule, qk_scale, HEAD_DIM: tl.constexpr,
+                VALUE_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PRECISION: tl.constexpr,
+                PTX_WIDEN: tl.constexpr, MASKED: tl.constexpr):
+    """Fold steps ``i_lo .. i_hi`` of the walk by step (:func:`block_at` of ``blocks``) into the rows' state
+    ``(acc, m_i, l_i)``; q: (BLOCK_R, D_PAD), rows: their query indices. ``cache``: (K, V, BlockTable, b, hkv,
+    stride_k, stride_v, stride_bt, page_size). MASKED blocks evaluate the rule per key; the others are whole
+    blocks below nk that every row sees, loaded and scored without masks."""
+    K, V, BlockTable, b, hkv, stride_k, stride_v, stride_bt, page_size = cache
+    nk = rule.nk
+    offs_d = tl.arange(0, pad_head_dim(HEAD_DIM))
+    offs_dv = tl.arange(0, pad_head_dim(VALUE_DIM))
+    offs_n = tl.arange(0, BLOCK_N)
+    for i in range(i_lo, i_hi):
+        start_n = block_at(blocks, i) * BLOCK_N
+        cols = start_n + offs_n  # (BLOCK_N,)
+        key_ok = (cols < nk) | (not MASKED)
+        k = tl.load(_block_ptrs(K, BlockTable, b, hkv, start_n, offs_n, offs_d, stride_k, stride_bt, page_size,
+                                PAGED),
+                    mask=key_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)  # (BLOCK_N, D_PAD)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # (BLOCK_R, BLOCK_N) raw scores
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, rows, cols, qk_scale, rule, MASKED, True)
+        acc = acc * alpha[:, None]
+        v = tl.load(_block_ptrs(V, BlockTable, b, hkv, start_n, offs_n, offs_dv, stride_v, stride_bt, page_size,
+                                PAGED),
+                    mask=key_ok[:, None] & (offs_dv[None, :] < VALUE_DIM), other=0.0)  # (BLOCK_N, DV_PAD)
+        if v.dtype == tl.float8e4nv:  # an FP8 cache: P V in float16 (P in FP8 would miss the accuracy bar)
+            v = _widen_values(v, PTX_WIDEN)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+    return acc, m_i, l_i
+
+
+# lengths, bounds and row counts change between calls: specialising on them would recompile a decode loop
+@triton.jit(do_not_specialize=["nq", "group", "added", "left", "right", "sink_tokens", "page_size"])
+def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, QDescale, KDescale, VDescale,
+            stride_q, stride_k, stride_v, stride_bt, stride_o, stride_lse,
+            nq, group, added, left, right, sink_tokens, page_size, qk_scale, stride_ds,
+            HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+            PAGED: tl.constexpr, SPLIT: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
+            PTX_WIDEN: tl.constexpr, PDL: tl.constexpr):
+    """Q: (B, Hq, nq, HEAD_DIM); K, V: contiguous (B, Hkv, Nmax, HEAD_DIM / VALUE_DIM) or, with PAGED, (pages,
+    page_size, Hkv, ...) read through BlockTable (B, max_blocks) int32; Seqlens: (B,) int32, a sequence's keys
+    before the ``added`` appended ones; Sinks: None or (Hq,) float32 (used when not SPLIT).
+    Not SPLIT: Out (B, Hq, nq, VALUE_DIM) in Q's dtype, Lse (B, Hq, nq) float32, strides (batch, head, row)
+    and (batch, head). SPLIT: Out (B, Hq, splits, nq, VALUE_DIM) and Lse (B, Hq, splits, nq) float32, strides
+    (batch, head, split, row) and (batch, head, split): this program's partial, LSE -inf where it saw no key.
+    stride_q, stride_k, stride_v: (batch, head, row), or (page, row, head) for a paged cache.
+    qk_scale = scale * log2(e) > 0. An FP8 cache (float8_e4m3fn K, V; Q FP8 too, or 16-bit and its keys
+    widened to Q's dtype): QDescale, KDescale, VDescale and ``stride_ds`` the descales as
+    :func:`load_descales` takes them, else None; PTX_WIDEN as :func:`_widen_values` takes it.
+    PDL: :func:`combine` may launch once every program has walked its keys (programmatic dependent launch).
+    """
+    D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
+    DV_PAD: tl.constexpr = pad_head_dim(VALUE_DIM)
+    split, splits, hkv, tile, b, nk = decode_program(Seqlens, added, group, nq, BLOCK_R)
+    qk_scale, v_descale = load_descales(QDescale, KDescale, VDescale, b, hkv, stride_ds, qk_scale)
+
+    offs_r = tile * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,) stacked rows of the group
+    real = offs_r < group * nq
+    heads = (hkv * group + tl.where(real, offs_r, 0) // nq).to(tl.int64)
+    rows = tl.where(real, offs_r, 0) % nq  # query index of each stacked row
+    offs_d = tl.arange(0, D_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    q_rows = b * stride_q[0] + heads * stride_q[1] + rows * stride_q[2]
+    q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=real[:, None] & (offs_d[None, :] < HEAD_DIM),
+                other=0.0)  # (BLOCK_R, D_PAD)
+    if K.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:  # an FP8 cache: Q K^T in float16
+        q, qk_scale = half_queries(q, qk_scale)
+
+    # the learned sink joins a row's sum once: here with one split, in _combine with several
+    if SPLIT:
+        acc, m_i, l_i = start_state(None, heads, VALUE_DIM)
+    else:
+        acc, m_i, l_i = start_state(Sinks, heads, VALUE_DIM)
+
+    seq_rule = rule(nq, nk, left, right, sink_tokens, MASK)
+    blocks = kv_blocks(seq_rule, 0, ALL_ROWS, BLOCK_N)
+    whole, whole_end, count = steps(blocks)  # masked steps, whole ones from ``whole``, masked from ``whole_end``
+    per = tl.cdiv(count, splits)
+    lo, hi = split * per, tl.minimum(split * per + per, count)  # this split's share
+    cache = (K, V, BlockTable, b, hkv, stride_k, stride_v, stride_bt, page_size)
+    # a paged cache's kernel waits on its block-table lookups, and more loops cost it registers and pipeline
+    # fills: one masked loop
+    if PAGED:
+        acc, m_i, l_i = _fold_steps(acc, m_i, l_i, q, rows, lo, hi, cache, blocks, seq_rule, qk_scale, HEAD_DIM,
+                                    VALUE_DIM, BLOCK_N, PAGED, PRECISION, PTX_WIDEN, True)
+    else:  # masked, whole and masked blocks, each loop entered only with blocks to walk
+        if lo < tl.minimum(hi, whole):
+            acc, m_i, l_i = _fold_steps(acc, m_i, l_i, q, rows, lo, tl.minimum(hi, whole), cache, blocks, seq_rule,
+                                        qk_scale, HEAD_DIM, VALUE_DIM, BLOCK_N, PAGED, PRECISION, PTX_WIDEN, True)
+        if tl.maximum(lo, whole) < tl.minimum(hi, whole_end):
+            acc, m_i, l_i = _fold_steps(acc, m_i, l_i, q, rows, tl.maximum(lo, whole), tl.minimum(hi, whole_end),
+                                        cache, blocks, seq_rule, qk_scale, HEAD_DIM, VALUE_DIM, BLOCK_N, PAGED,
+                                        PRECISION, PTX_WIDEN, False)
+        if tl.maximum(lo, whole_end) < hi:
+            acc, m_i, l_i = _fold_steps(acc, m_i, l_i, q, rows, tl.maximum(lo, whole_end), hi, cache, blocks,
+                                        seq_rule, qk_scale, HEAD_DIM, VALUE_DIM, BLOCK_N, PAGED, PRECISION,
+                                        PTX_WIDEN, True)
+
+    if PDL:  # the combine may launch now: this program's walk is done
+        gdc_launch_dependents()
+    if VDescale is not None:  # v's descale: one multiply of the finished rows (a split's partial alike)
+        acc = acc * v_descale
+    out, lse = finish_state(acc, m_i, l_i)  # (BLOCK_R, DV_PAD), (BLOCK_R,)
+    value_ok = real[:, None] & (offs_dv[None, :] < VALUE_DIM)
+    o_rows, lse_rows = decode_rows(b, heads, split, rows, stride_o, stride_lse, SPLIT)
+    tl.store(Out + o_rows[:, None] + offs_dv[None, :], out.to(Out.dtype.element_ty), mask=value_ok)
+    tl.store(Lse + lse_rows, lse, mask=real)
+
+
+def block_keys(paged: bool, block_size: int, width: int, fp8: bool) -> int:
+    """Keys per tile: 64, fewer for wide heads (``width``: the padded D + Dv; a tile of keys and values stays
+    within 64 x 256 elements), twice as many from an FP8 cache (the same bytes, fewer steps); for a paged cache
+    a divisor of its block size."""
+    most = max(16, 64 * 256 // width) * (2 if fp8 else 1)
+    return next(n for n in (128, 64, 32, 16) if n <= min(most, 128 if fp8 else 64)
+                and (not paged or block_size % n == 0))
+
+
+def stacked_rows(stacked: int, width: int) -> int:
+    """Rows a program stacks: the group's heads times the queries, padded to a power of two (at least 16,
+    tl.dot's minimum), at most 128, and fewer for wide heads (the accumulators hold rows x padded Dv)."""
+    most = max(16, min(MAX_TILE_ROWS, triton.next_power_of_2(128 * 256 // width + 1) // 2))  # a power of two
+    return min(most, max(16, triton.next_power_of_2(stacked)))
+
+
+def default_splits(programs: int, visible: int, block_n: int, device: torch.device) -> int:
+    """Splits per (sequence, kv head): at most ``SPLIT_KEYS`` keys a split (of ``visible`` tiles of ``block_n``),
+    and enough programs for two per SM where every split still gets four tiles. It sees the shapes and the card,
+    never the lengths: a ragged batch is split by its capacity, which keeps its longest sequences from setting the
+    time."""
+    sms = card.sm_count(str(device)) or 1
+    fill = min(cdiv(2 * sms, programs), cdiv(visible, 4))
+    return max(1, min(max(fill, cdiv(visible * block_n, SPLIT_KEYS)), MAX_SPLITS))
+
+
+@functools.lru_cache(maxsize=256)
+def plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: bool, block_size: int, pattern: Pattern,
+         device: torch.device, precision: str, num_splits: int | None, fp8: bool) -> Plan:
+    """The launch of a decode step with this kernel (``block_size``: a paged cache's, else 0; ``pattern``: at the
+    cache's capacity; ``precision``: :func:`gstar.kernels.portable.tiles.dot_precision` of q's dtype; ``num_splits``: the caller's, or None)."""
+    group = Hq // Hkv
+    width = pad_head_dim(D) + pad_head_dim(Dv)
+    block_r = stacked_rows(group * nq, width)
+    block_n = block_keys(paged, block_size, width, fp8)
+    row_tiles = cdiv(group * nq, block_r)
+    visible = visible_blocks(pattern, nq, block_n)
+    splits = num_splits or default_splits(B * Hkv * row_tiles, visible, block_n, device)
+    major = card.capability_major(device) if device.type == "cuda" else 0
+    stages = 3 if major >= 9 else 2  # Hopper: three tiles in flight
+    # a paged 16-bit cache, 16 rows of narrow heads, on Hopper: 64 registers (no spills) fit eight programs an SM
+    # where the compiler's 80 fit six, more block-table lookups in flight
+    capped = major == 9 and paged and not fp8 and block_r <= 16 and width <= 128
+    cap = {"maxnreg": PAGED_REGISTERS} if capped else {}
+    args = dict(nq=nq, group=group, **bounds(pattern), page_size=block_size if paged else 1)
+    return Plan(_decode, (splits, Hkv * row_tiles, B), splits, args, constexprs(
+        HEAD_DIM=D, VALUE_DIM=Dv, BLOCK_R=block_r, BLOCK_N=block_n, PAGED=paged, SPLIT=splits > 1,
+        MASK=mask(pattern), PRECISION=precision, PTX_WIDEN=fp8 and card.nvidia(device),
+        PDL=early_combine(device), num_warps=4, num_stages=stages, **cap),
+        merge_options(Dv, splits, device))

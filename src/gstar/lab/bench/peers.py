@@ -1,0 +1,499 @@
+"""One adapter per implementation that ``gstar bench`` compares (docs/design.md section 5), all fed the same
+``(B, H, N, D)`` inputs (values ``Dv`` wide).
+
+An adapter says why it cannot run here at all (:meth:`Peer.unavailable`: not importable, needs CUDA) or
+cannot express a case (:meth:`Peer.unsupported`: learned sinks, sink tokens, a window ...); the benchmark
+shows that reason as an ``n/a`` row instead of dropping the peer. :meth:`Peer.build` does all setup
+(compilation, block masks, dense masks) outside the timed region and returns ``fn(q, k, v, sinks) -> out``
+with ``q: (B, Hq, N, D)``, ``k: (B, Hkv, N, D)``, ``v: (B, Hkv, N, Dv)``, ``sinks: (Hq,) float32 or None``,
+``out: (B, Hq, N, Dv)``.
+Peers whose native layout is ``(B, N, H, D)`` receive transposed views of ``(B, N, H, D)``-contiguous
+tensors (``layout = "bnhd"``), so no copy happens inside the timed call. A packed case (the ``varlen`` suite)
+has rows for gstar on the packed tokens and for gstar on the same documents padded into a batch
+(``layout = "padded"``) only.
+
+A decode case (the ``decode`` suite) gives ``q: (B, Hq, Nq, D)`` and its cache as ``k: (B, Hkv, N, D)``,
+``v: (B, Hkv, N, Dv)``, or, paged, as the pools ``(pages, page_size, Hkv, D)`` / ``(..., Dv)`` of
+``Case.block_table`` (the same layout for every peer). Each peer takes the lengths (``Case.cache_seqlens``)
+and the block table from the case in :meth:`Peer.build`, on the device, outside the timed call. gstar runs
+``flash_attention_with_kvcache``; ``gstar-prefill`` runs ``flash_attention`` on the same queries and dense
+cache (the training kernel: one program per sequence and kv head).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import math
+import os
+
+import torch
+
+from .cases import Case
+
+
+def _free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not every OS reports it: then do not skip anything
+        return 1 << 62
+
+
+def _window_or_causal_only(case: Case) -> str | None:
+    p = case.pattern
+    if p.left >= 0 or p.right > 0:
+        return "no sliding window"
+    return None
+
+
+def _dense_cache(case: Case) -> str | None:
+    """Why a peer that reads one dense ``(B, N)`` key tensor cannot run a decode case, or None."""
+    if case.paged:
+        return "no paged cache"
+    if case.decode and case.lengths:
+        return "one key length for the whole batch"
+    return None
+
+
+class Peer:
+    """Base adapter; subclasses set ``name`` (and ``layout``, ``module``) and override what differs."""
+
+    name = "?"
+    layout = "bhnd"
+    module = "torch"  # top-level module whose distribution version the reports record
+    cuda_only = False
+    fp8 = False  # takes FP8 inputs with descales (``fn(q, k, v, sinks, q_descale=, k_descale=, v_descale=)``)
+
+    def _fn(self):
+        """Import what the implementation needs (and return its entry point, where it has one)."""
+        return None
+
+    def applies(self, case: Case) -> bool:
+        """Whether the benchmark gives this implementation a row on ``case`` (dense cases only by default)."""
+        return not case.packed
+
+    def unavailable(self, device: torch.device) -> str | None:
+        """Why this implementation cannot run on ``device`` at all, or None."""
+        if self.cuda_only and device.type != "cuda":
+            return "needs CUDA"
+        try:
+            self._fn()
+        except Exception as exc:  # ImportError, or a CUDA/CuTe setup error raised at import
+            return f"not importable: {type(exc).__name__}"
+        return None
+
+    def unsupported(self, case: Case, device: torch.device, mode: str) -> str | None:
+        """Why this implementation cannot express ``case``, or None."""
+        return None
+
+    def uncapturable(self, case: Case, device: torch.device, mode: str) -> str | None:
+        """Why ``case`` should not be captured in a CUDA graph (``--timing graph``), or None. A capture that
+        fails keeps its memory for the rest of the process (torch 2.11), so a likely failure is declined."""
+        return None
+
+    def build(self, case: Case, device: torch.device):
+        """Setup outside the timed region; returns ``fn(q, k, v, sinks) -> out``."""
+        raise NotImplementedError
+
+
+class Gstar(Peer):
+    """``gstar.flash_attention`` with ``backend="auto"``: Triton on CUDA, the tiled PyTorch path on CPU; on a
+    packed case ``gstar.flash_attention_varlen`` on the packed ``(total, H, D)`` tokens; on a decode case
+    ``gstar.flash_attention_with_kvcache`` on the cache (lengths on the device, values not checked on the host:
+    a decode loop's call)."""
+
+    name = "gstar"
+    module = "gstar"
+    kvcache = True  # a decode case through flash_attention_with_kvcache
+    fp8 = True
+    deterministic = True  # flash_attention's flag for a dense case
+
+    def applies(self, case):
+        return True
+
+    def build(self, case, device):
+        from ...api import flash_attention, flash_attention_varlen
+        from ...kvcache import flash_attention_with_kvcache
+        kw = dict(causal=case.causal, window=case.window, sink_tokens=case.sink_tokens)
+        if case.decode and self.kvcache:
+            lengths = case.cache_seqlens(device)
+            table = case.block_table(device) if case.paged else None
+            return lambda q, k, v, sinks, **fp8: flash_attention_with_kvcache(
+                q, k, v, cache_seqlens=lengths, block_table=table, sinks=sinks, check_values=False, **kw, **fp8)
+        if case.packed and self.layout != "padded":
+            cu, n = case.cu_seqlens(device), case.seqlen
+            return lambda q, k, v, sinks, **fp8: flash_attention_varlen(q, k, v, cu, cu, n, n, sinks=sinks, **kw,
+                                                                        **fp8)
+        return lambda q, k, v, sinks, **fp8: flash_attention(q, k, v, sinks=sinks, deterministic=self.deterministic,
+                                                             **kw, **fp8)
+
+
+class GstarPadded(Gstar):
+    """``gstar.flash_attention`` on a packed case's documents right-padded into a ``(B, N)`` batch (padded
+    outside the timed call): what packing saves. Right padding leaves every real row's result exact for
+    patterns with no key right of the diagonal; the padded rows' upstream gradient is zero."""
+
+    name = "gstar-padded"
+    layout = "padded"
+
+    def applies(self, case):
+        return case.packed
+
+    def unsupported(self, case, device, mode):
+        return None if case.pattern.right == 0 else "right padding is exact for causal patterns only"
+
+
+class GstarPrefill(Gstar):
+    """``gstar.flash_attention`` on a decode case: the queries against the dense cache, as a decode step runs
+    without ``flash_attention_with_kvcache`` (bottom-right alignment puts them at the cache's end)."""
+
+    name = "gstar-prefill"
+    kvcache = False
+
+    def applies(self, case):
+        return case.decode
+
+    def unsupported(self, case, device, mode):
+        if case.fp8_cache:
+            return "16-bit queries on an FP8 cache: flash_attention_with_kvcache only"
+        return _dense_cache(case)
+
+
+class GstarNondeterministic(Gstar):
+    """``gstar.flash_attention(deterministic=False)``: its backward may add dQ up in any order (on an H100 / H200,
+    where the fused backward serves the case); the forward is gstar's own, so only passes with a backward
+    get a row."""
+
+    name = "gstar-nondet"
+    deterministic = False
+
+    def applies(self, case):
+        return not (case.packed or case.decode)
+
+    def unsupported(self, case, device, mode):
+        return "the forward is gstar's" if mode == "fwd" else None
+
+
+class Eager(Peer):
+    """Hugging Face GPT-OSS eager attention: repeat kv, scores, mask, sink column, softmax, drop it, @ v."""
+
+    name = "eager"
+
+    def unsupported(self, case, device, mode):
+        if case.paged:
+            return "no paged cache"
+        return self._oom_risk(case, device, mode, 1)
+
+    def uncapturable(self, case, device, mode):
+        # a capture keeps intermediates that an eager call frees and reuses, so it needs more than the estimate
+        # below: twice it (benchmarks/NOTES.md, 'Graph-timed runs: memory after a failed capture')
+        return self._oom_risk(case, device, mode, 2)
+
+    @staticmethod
+    def _oom_risk(case, device, mode, factor: int) -> str | None:
+        # scores, masked, + sink column, - max, softmax; the backward keeps about as many again. K and V repeated
+        # for every query head (and their gradients): what a decode step's few rows need most of
+        buffers, copies = (5, 1) if mode == "fwd" else (10, 2)
+        scores = buffers * case.batch * case.heads * case.pattern.nq * (case.seqlen + 1)
+        repeated = copies * case.batch * case.heads * case.seqlen * (case.head_dim + case.dv)
+        need = factor * (scores + repeated) * case.torch_dtype.itemsize
+        if need > 0.6 * _free_bytes(device):
+            return f"OOM-risk: ~{need / 2**30:.0f} GiB" + (" in a CUDA graph" if factor > 1 else "")
+        return None
+
+    def build(self, case, device):
+        # a decode batch of unequal lengths: each sequence's rule on its own length, nothing past it
+        lengths = case.cache_seqlens(device).view(-1, 1, 1, 1) if case.decode and case.lengths else None
+        visible = case.pattern.mask(device, nk=lengths)                  # (Nq, Nk), or (B, 1, Nq, Nk)
+        group = case.heads // case.kv_heads
+        scale = case.head_dim ** -0.5
+
+        def eager(q, k, v, sinks):
+            B, H, Nq, _ = q.shape
+            Nk = k.shape[2]
+            k = k.repeat_interleave(group, dim=1)                        # (B, H, Nk, D)
+            v = v.repeat_interleave(group, dim=1)
+            scores = (q @ k.transpose(-1, -2)) * scale                   # (B, H, Nq, Nk)
+            scores = scores.masked_fill(~visible, -math.inf)
+            if sinks is not None:
+                sink_col = sinks.to(scores.dtype).view(1, H, 1, 1).expand(B, H, Nq, 1)
+                scores = torch.cat([scores, sink_col], dim=-1)           # (B, H, Nq, Nk + 1)
+            scores = scores - scores.amax(dim=-1, keepdim=True)          # as HF does, before its softmax
+            probs = torch.softmax(scores, dim=-1, dtype=scores.dtype)
+            return probs[..., :Nk] @ v                                   # (B, H, Nq, Dv)
+        return eager
+
+
+class Sdpa(Peer):
+    """``scaled_dot_product_attention`` pinned to one backend (flash or cuDNN) with ``sdpa_kernel``."""
+
+    cuda_only = True
+
+    def __init__(self, backend: str):
+        self.backend = backend
+        self.name = f"sdpa-{backend}"
+
+    def unsupported(self, case, device, mode):
+        if case.sinks:
+            return "no learned sinks"
+        if case.pattern.sink_tokens:
+            return "no sink tokens"
+        if self.backend == "flash" and case.torch_dtype == torch.float32:
+            return "fp16/bf16 only"
+        if self.backend == "flash" and case.dv != case.head_dim:
+            return "equal head dims only"
+        if case.decode and case.causal and case.queries > 1:
+            return "is_causal aligns queries top-left"
+        return _dense_cache(case) or _window_or_causal_only(case)
+
+    def build(self, case, device):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+        backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[self.backend]
+        group = case.heads // case.kv_heads
+        state = {"gqa": group > 1}  # native GQA first; repeated kv if this backend rejects enable_gqa
+        causal = case.causal and not case.decode  # one query at the cache's end sees every key
+
+        def call(q, k, v, gqa):
+            if group > 1 and not gqa:
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            with sdpa_kernel(backend):
+                return sdpa(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+        def fn(q, k, v, sinks):
+            if state["gqa"]:
+                try:
+                    return call(q, k, v, True)
+                except RuntimeError:
+                    state["gqa"] = False
+            return call(q, k, v, False)
+        return fn
+
+
+def flex_with_sinks():
+    """``fn(q, k, v, sinks, block_mask) -> out``: FlexAttention with GQA and learned sinks (``sinks: (Hq,)``
+    float32 or None), ``q (B, Hq, Nq, D)`` against ``k, v (B, Hkv, Nk, D)`` under ``block_mask``, each row then
+    scaled by the share of its softmax that the sink leaves to the keys, from the LSE Flex returns."""
+    from torch.nn.attention.flex_attention import flex_attention
+    aux = "return_aux" in inspect.signature(flex_attention).parameters
+
+    def fn(q, k, v, sinks, block_mask):
+        if sinks is None:
+            return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+        if aux:
+            from torch.nn.attention.flex_attention import AuxRequest
+            out, extra = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True,
+                                        return_aux=AuxRequest(lse=True))
+            lse = extra.lse
+        else:
+            out, lse = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True)
+        # sum_j e^s / (sum_j e^s + e^sink) = out * e^lse / (e^lse + e^sink) = out * sigmoid(lse - sink); a row
+        # that sees no key has lse = -inf: weight 0, out 0, as the rule has it
+        keep = torch.sigmoid(lse - sinks.view(1, -1, 1))                 # (B, Hq, Nq)
+        return (out.float() * keep.unsqueeze(-1)).to(q.dtype)
+    return fn
+
+
+@functools.lru_cache(maxsize=1)
+def _flex_compiled():
+    import torch._dynamo
+    cfg = torch._dynamo.config
+    for knob in ("cache_size_limit", "recompile_limit"):  # one compiled graph per case shape
+        if hasattr(cfg, knob):
+            setattr(cfg, knob, max(getattr(cfg, knob), 256))
+    return torch.compile(flex_with_sinks(), dynamic=False)
+
+
+def flex_block_mask(case: Case, device):
+    """The block mask of ``case`` for FlexAttention, or None where every query sees every key. A decode batch
+    of unequal lengths gets one mask per sequence, its lengths read on the device inside the mask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    p = case.pattern
+    if case.decode and case.lengths:
+        lengths = case.cache_seqlens(device)
+        return create_block_mask(lambda b, h, i, j: p.visible(i, j, nk=lengths[b]), case.batch, None, p.nq, p.nk,
+                                 device=device)
+    if p.visible_pairs() == p.nq * p.nk:
+        return None
+    return create_block_mask(lambda b, h, i, j: p.visible(i, j), None, None, p.nq, p.nk, device=device)
+
+
+class Flex(Peer):
+    """Compiled FlexAttention: a block mask for causal / window / sink tokens / cache lengths, learned sinks
+    via the LSE (:func:`flex_with_sinks`)."""
+
+    name = "flex"
+    cuda_only = True
+
+    def _fn(self):
+        return importlib.import_module("torch.nn.attention.flex_attention").flex_attention
+
+    def unsupported(self, case, device, mode):
+        # paged caches only through torch's experimental PagedAttention, outside the public flex_attention
+        return "no paged cache" if case.paged else None
+
+    def build(self, case, device):
+        block_mask = flex_block_mask(case, device)
+        compiled = _flex_compiled()
+        return lambda q, k, v, sinks: compiled(q, k, v, sinks, block_mask)
+
+
+class FA4(Peer):
+    """FlashAttention-4 (``flash_attn.cute.flash_attn_func``), ``(B, N, H, D)`` layout, when importable; a decode
+    case through its decode entry, ``flash_attn_varlen_func`` with the lengths on the device (``seqused_k``)
+    and, paged, ``page_table`` over the pools (its paged layout is gstar's)."""
+
+    name = "fa4"
+    layout = "bnhd"
+    module = "flash_attn"
+    cuda_only = True
+
+    def _fn(self):
+        from flash_attn.cute import flash_attn_func
+        return flash_attn_func
+
+    def _entry(self, case: Case):
+        if case.decode:
+            from flash_attn.cute import flash_attn_varlen_func
+            return flash_attn_varlen_func
+        return self._fn()
+
+    def unsupported(self, case, device, mode):
+        params = inspect.signature(self._entry(case)).parameters
+        p = case.pattern
+        if case.sinks and "learnable_sink" not in params:
+            return "no learned sinks"
+        if p.sink_tokens:
+            return "no sink tokens"
+        if (p.left >= 0 or p.right > 0) and "window_size" not in params:
+            return "no sliding window"
+        if case.torch_dtype == torch.float32:
+            return "fp16/bf16 only"
+        if case.decode and "seqused_k" not in params:
+            return "no per-sequence key lengths"
+        if case.paged and "page_table" not in params:
+            return "no paged cache"
+        return None
+
+    def build(self, case, device):
+        fa = self._entry(case)
+        p = case.pattern
+        kw = {"causal": p.right == 0 and p.left < 0, "softmax_scale": case.head_dim ** -0.5}
+        if p.left >= 0 or p.right > 0:
+            kw["window_size"] = (p.left if p.left >= 0 else None, p.right if p.right >= 0 else None)
+        if case.decode:
+            kw["seqused_k"] = case.cache_seqlens(device)
+            if case.paged:
+                kw["page_table"] = case.block_table(device)
+            # split-KV on Blackwell (num_splits < 1: FA4's own choice); SM 8.x and 9.x assert a single split
+            kw["num_splits"] = 0 if torch.cuda.get_device_capability(device)[0] in (10, 11) else 1
+
+        def fn(q, k, v, sinks):
+            extra = {} if sinks is None else {"learnable_sink": sinks}
+            if not case.paged:  # a paged cache's pools arrive as they are: (pages, page_size, Hkv, D)
+                k, v = k.transpose(1, 2), v.transpose(1, 2)
+            res = fa(q.transpose(1, 2), k, v, **kw, **extra)
+            out = res[0] if isinstance(res, tuple) else res              # (B, N, H, D)
+            return out.transpose(1, 2)
+        return fn
+
+
+class Fla(Peer):
+    """flash-linear-attention's softmax attention (``fla.ops.attn.parallel.parallel_attn``): causal only; a
+    decode case through its decoding kernel (``fla.ops.attn.decoding.attn_decoding_one_step``): one query per
+    sequence against its keys packed back to back (``cu_seqlens``), which a full cache of equal lengths is."""
+
+    name = "fla"
+    layout = "bnhd"
+    module = "fla"
+    cuda_only = True
+
+    def _fn(self):
+        from fla.ops.attn.parallel import parallel_attn
+        return parallel_attn
+
+    def _decoding(self):
+        from fla.ops.attn.decoding import attn_decoding_one_step
+        return attn_decoding_one_step
+
+    def unsupported(self, case, device, mode):
+        if case.decode:
+            return self._decode_unsupported(case)
+        params = inspect.signature(self._fn()).parameters
+        p = case.pattern
+        if p.right != 0:
+            return "causal only"
+        if p.left >= 0 and "window_size" not in params:
+            return "no sliding window"
+        if p.sink_tokens:
+            return "no sink tokens"
+        if case.sinks and "sink_bias" not in params:
+            return "no learned sinks"
+        return None
+
+    def _decode_unsupported(self, case: Case) -> str | None:
+        try:
+            params = inspect.signature(self._decoding()).parameters
+        except ImportError:
+            return "no decoding kernel (fla.ops.attn.decoding)"
+        p = case.pattern
+        if case.queries > 1:
+            return "one query per sequence"
+        if case.paged:
+            return "no paged cache"
+        if case.lengths:
+            return "keys packed back to back: a cache of unequal lengths has gaps"
+        if p.sink_tokens:
+            return "no sink tokens"
+        if p.left >= 0 and "window_size" not in params:
+            return "no sliding window"
+        if case.sinks and "sink_bias" not in params:
+            return "no learned sinks"
+        return None  # one query at its sequence's end: a right bound changes nothing
+
+    def build(self, case, device):
+        if case.decode:
+            return self._build_decode(case, device)
+        fla = self._fn()
+        p = case.pattern
+        kw = {"scale": case.head_dim ** -0.5}
+        if p.left >= 0:
+            kw["window_size"] = p.left + 1  # keys including the query's own position (checked against the oracle)
+
+        def fn(q, k, v, sinks):
+            extra = {} if sinks is None else {"sink_bias": sinks}
+            res = fla(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kw, **extra)
+            out = res[0] if isinstance(res, tuple) else res             # (B, N, H, D)
+            return out.transpose(1, 2)
+        return fn
+
+    def _build_decode(self, case: Case, device):
+        fla = self._decoding()
+        p = case.pattern
+        B, N = case.batch, case.seqlen
+        kw = {"scale": case.head_dim ** -0.5,
+              "cu_seqlens": torch.arange(0, (B + 1) * N, N, dtype=torch.int64, device=device)}  # (B + 1,)
+        if p.left >= 0:
+            kw["window_size"] = p.left + 1  # the last left + 1 keys, the query's own included
+
+        def fn(q, k, v, sinks):
+            extra = {} if sinks is None else {"sink_bias": sinks}
+            Hq, Hkv = q.shape[1], k.shape[1]
+            q1 = q.transpose(1, 2).reshape(1, B, Hq, -1)                 # (1, B, Hq, D): one query a sequence
+            k1 = k.transpose(1, 2).reshape(1, B * N, Hkv, -1)            # (1, B N, Hkv, D): the cache, packed
+            v1 = v.transpose(1, 2).reshape(1, B * N, Hkv, -1)
+            out = fla(q1, k1, v1, **kw, **extra)                         # (1, B, Hq, Dv)
+            return out.view(B, 1, Hq, -1).transpose(1, 2)                # (B, Hq, 1, Dv)
+        return fn
+
+
+def all_peers() -> list[Peer]:
+    """Every implementation, gstar first (the ratio column divides by its time)."""
+    return [Gstar(), GstarPadded(), GstarPrefill(), GstarNondeterministic(), Eager(), Sdpa("flash"), Sdpa("cudnn"),
+            Flex(), FA4(), Fla()]
+
+
+PEER_NAMES = tuple(p.name for p in all_peers())
