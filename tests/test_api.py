@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import gstar
+from gstar.pattern import SINK_LIMIT
 from gstar.reference import naive_attention
 
 
@@ -215,3 +216,27 @@ def test_quickstart_example_runs_on_cpu():
     for line in lines:
         error = float(line.split("max error ")[1].split()[0])
         assert error < 1e-4, line
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_infinite_sink_takes_every_row(backend):
+    """A learned sink of +inf (docs/design.md section 1: logits above gstar.pattern.SINK_LIMIT count as it) takes
+    every row of its head: zeros out, LSE at the cap, finite gradients (none for that sink), the other heads as
+    the oracle has them; -inf is no sink at all."""
+    q, k, v = (t.requires_grad_() for t in qkv(nq=33, nk=45, d=16))
+    sinks = torch.tensor([float("inf"), 0.5, float("-inf"), 2.0], requires_grad=True)
+    out, lse = gstar.flash_attention(q, k, v, causal=True, window=(9, 0), sinks=sinks, return_lse=True,
+                                     backend=backend)
+    ref, ref_lse = gstar.naive_attention(q.double(), k.double(), v.double(), causal=True, window=(9, 0),
+                                         sinks=sinks.double())
+    assert torch.equal(out[:, 0], torch.zeros_like(out[:, 0])) and torch.all(lse[:, 0] == SINK_LIMIT)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+    no_sink = gstar.flash_attention(q, k, v, causal=True, window=(9, 0), backend=backend)
+    torch.testing.assert_close(out[:, 2], no_sink[:, 2], atol=1e-6, rtol=1e-6)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad((out * dout).sum() + lse[:, 1:].sum(), (q, k, v, sinks))
+    want = torch.autograd.grad((ref * dout.double()).sum() + ref_lse[:, 1:].sum(), (q, k, v, sinks))
+    assert all(torch.isfinite(g).all() for g in grads) and grads[3][0] == 0
+    for g, w in zip(grads, want):
+        torch.testing.assert_close(g.double(), w.double(), atol=1e-4, rtol=1e-4)

@@ -14,7 +14,6 @@ from inputs import make_qkv
 from tiers import grid
 from gstar.lab.accuracy import relative_error, verdict
 from gstar.kernels import attention_forward, card
-from gstar.kernels.common.rule import mask
 from gstar.kernels.common.walk import tiles_fastest
 from gstar.kernels.portable import forward as portable_forward
 from gstar.kernels.portable.tiles import forward_config

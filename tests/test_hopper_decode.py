@@ -56,7 +56,6 @@ def _takes(q, k, v, paged, stacked):
 
 
 def test_not_served_off_the_gpu():
-    k = torch.zeros(1, 1, 64, 64, dtype=F8)
     call = dispatch.Call("decode", torch.bfloat16, F8, 64, 64, Pattern.make(1, 1 << 20), 8)
     assert dispatch.serves_sm90(call) and dispatch.family(call, torch.device("cpu"), True) == dispatch.PORTABLE
 

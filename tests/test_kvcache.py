@@ -15,7 +15,7 @@ import gstar
 from gstar.lab.accuracy import relative_error
 from gstar.kernels import card
 from gstar.kernels.portable import decode
-from gstar.pattern import Pattern, read_blocks
+from gstar.pattern import SINK_LIMIT, Pattern, read_blocks
 
 EXACT = 1e-12   # float64 on both sides: orders of summation differ, nothing else
 FLOAT32 = 1e-4  # the float32 bar
@@ -353,3 +353,28 @@ def test_paged_register_cap_only_where_it_fits(monkeypatch, paged, cache_dtype, 
         pattern=Pattern.make(nq, 4096, causal=True), device=torch.device("cuda"), precision="tf32", num_splits=4,
         fp8=cache_dtype == torch.float8_e4m3fn)
     assert dict(plan.options).get("maxnreg") == (decode.PAGED_REGISTERS if capped else None)
+
+
+@pytest.mark.parametrize("backend, splits", [("torch", None), ("triton", 1), ("triton", 3)])
+def test_infinite_sinks(backend, splits, device):
+    """Sinks of +inf and -inf (clamped to +-SINK_LIMIT, docs/design.md section 1) in a decode step: the +inf head's
+    rows are zeros with the LSE at the cap, the -inf head's those of no sink, in the kernel and in the merge of
+    its splits (on CPU the interpreter runs the kernels)."""
+    q, k_cache, v_cache, kwargs, keys, values = make_case(block_size=16, nq=2, pattern=dict(causal=True),
+                                                          learned_sinks=True, append=False, dtype=torch.float32,
+                                                          heads=(4, 2), device=device)
+    kwargs["sinks"][0], kwargs["sinks"][2] = float("inf"), float("-inf")
+    out, lse = gstar.flash_attention_with_kvcache(q, k_cache, v_cache, return_lse=True, backend=backend,
+                                                  num_splits=splits, **kwargs)
+    ref_out, ref_lse = oracle(q, keys, values, _pattern_of(kwargs), kwargs["sinks"])
+    assert torch.equal(out[:, 0], torch.zeros_like(out[:, 0])) and torch.all(lse[:, 0] == SINK_LIMIT)
+    assert relative_error(out, ref_out) < FLOAT32 and relative_error(lse, ref_lse) < FLOAT32
+
+
+def test_cache_errors_name_the_cache():
+    """A cache of another dtype, device or head dim is named as the call names it: k_cache, v_cache."""
+    q, k_cache, v_cache, kwargs = _case()
+    with pytest.raises(TypeError, match=r"q, k_cache, v_cache must share a dtype"):
+        gstar.flash_attention_with_kvcache(q, k_cache.half(), v_cache.half(), **kwargs)
+    with pytest.raises(ValueError, match=r"k_cache head dim must equal q head dim"):
+        gstar.flash_attention_with_kvcache(q, k_cache[..., :4], v_cache, **kwargs)

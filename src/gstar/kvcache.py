@@ -270,7 +270,8 @@ def _attend(q, k_cache, v_cache, block_table, cache_seqlens, sinks, added, patte
 decode_op = torch.library.custom_op(
     "gstar::decode", _attend, mutates_args=(),
     schema="(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? block_table, Tensor? cache_seqlens, Tensor? sinks, "
-           "SymInt added, SymInt[] pattern, float scale, SymInt num_splits, str backend, Tensor?[]? descale, ScalarType? out_dtype) -> (Tensor, Tensor)")
+           "SymInt added, SymInt[] pattern, float scale, SymInt num_splits, str backend, Tensor?[]? descale, "
+           "ScalarType? out_dtype) -> (Tensor, Tensor)")
 
 
 @decode_op.register_fake

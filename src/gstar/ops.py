@@ -10,8 +10,7 @@ backward op in the backward graph.
 The public entry points (:mod:`gstar.api`) validate their arguments and call :func:`attention`, which uses
 the operator while ``torch.compile`` traces and the same functions through a plain ``autograd.Function``
 in eager mode: the torch.library autograd dispatch costs more host time per call than a small kernel
-takes on the GPU (benchmarks/NOTES.md, 'Operators, the eager autograd path and the engine's thread'). Neither path checks its
-inputs again.
+takes on the GPU. Neither path checks its inputs again.
 
 Why ``torch.library.custom_op`` and not ``triton_op``: the launch settings (tile tables, dK/dV split
 plans, cached per shape on the host) and the CPU path (tiled PyTorch, which reads ``cu_seqlens`` on the
@@ -29,7 +28,7 @@ import torch
 
 from . import reference
 from .buffers import empty_like, empty_packed_like, layout_like
-from .pattern import Pattern
+from .pattern import Pattern, sink_gradient
 
 
 class Inputs(NamedTuple):
@@ -247,7 +246,7 @@ def _gradients(ctx, dout, dlse) -> Inputs:
         dout = dout.contiguous()
     dq, dk, dv, dsinks = ctx.backward(dout, out, lse, dlse, inputs, ctx.options)
     sinks = inputs.sinks
-    return Inputs(q=dq, k=dk, v=dv, sinks=None if sinks is None else dsinks.to(sinks.dtype),
+    return Inputs(q=dq, k=dk, v=dv, sinks=None if sinks is None else sink_gradient(sinks, dsinks).to(sinks.dtype),
                   cu_seqlens_q=None, cu_seqlens_k=None)
 
 

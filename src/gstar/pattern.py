@@ -29,6 +29,22 @@ from dataclasses import dataclass
 import torch
 
 
+# Learned sink logits count as clamped to [-SINK_LIMIT, SINK_LIMIT] (docs/design.md section 1): +inf takes every
+# row's whole weight (output 0, LSE SINK_LIMIT), -inf adds nothing, and no gradient reaches a clamped sink. No score
+# a float type holds competes with exp(+-2^64), so the clamp changes no finite sink's result.
+SINK_LIMIT = 2.0 ** 64
+
+
+def capped_sinks(sinks: torch.Tensor) -> torch.Tensor:
+    """The learned sinks as every implementation takes them: clamped to [-SINK_LIMIT, SINK_LIMIT]."""
+    return sinks.clamp(-SINK_LIMIT, SINK_LIMIT)
+
+
+def sink_gradient(sinks: torch.Tensor, dsinks: torch.Tensor) -> torch.Tensor:
+    """The gradient of the given sinks from one taken at the clamped sinks: none reaches a clamped sink."""
+    return torch.where(sinks.abs() > SINK_LIMIT, 0.0, dsinks)
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for b > 0, in plain Python (``triton.cdiv`` is a constexpr function, ~1.5 us a host call)."""
     return -(-a // b)

@@ -14,7 +14,7 @@ import math
 import torch
 
 from .buffers import empty_packed_like, layout_like
-from .pattern import Pattern, kv_block_table
+from .pattern import Pattern, capped_sinks, kv_block_table
 
 
 def naive_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, sinks=None, scale=None):
@@ -25,7 +25,7 @@ def naive_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
     The keywords mean what they mean in :func:`gstar.flash_attention`: query ``i`` sits at
     ``p(i) = i + Nk - Nq`` and sees key ``j`` when ``j <= p(i)`` (causal), ``p(i) - left <= j <= p(i) + right``
     (window, ``-1`` unbounded) with ``j < sink_tokens`` exempt from the left bound; ``sinks`` join every
-    row's softmax denominator; scale defaults to ``D ** -0.5``.
+    row's softmax denominator (clamped to +-:data:`gstar.pattern.SINK_LIMIT`); scale defaults to ``D ** -0.5``.
 
     Matmuls run in the input dtype (this is "PyTorch's own error" of the correctness bar), softmax
     statistics in float32 (float64 for float64 inputs). out: (B, Hq, Nq, Dv) in the input dtype, zeros
@@ -42,7 +42,7 @@ def naive_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
     s = (q @ k.transpose(-1, -2)).to(stat) * scale                     # (B, Hq, Nq, Nk)
     s = s.masked_fill(~visible, -math.inf)
     if sinks is not None:
-        sink_col = sinks.to(stat).view(1, Hq, 1, 1).expand(B, Hq, Nq, 1)
+        sink_col = capped_sinks(sinks.to(stat)).view(1, Hq, 1, 1).expand(B, Hq, Nq, 1)
         s = torch.cat([s, sink_col], dim=-1)                           # (B, Hq, Nq, Nk + 1)
     m = s.amax(dim=-1, keepdim=True).detach()                          # (B, Hq, Nq, 1)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)           # empty rows: avoid -inf - -inf
@@ -123,7 +123,7 @@ def tiled_forward(q, k, v, sinks, pattern: Pattern, scale: float, tile: int | No
         m = torch.full(q_t.shape[:-1], -math.inf, dtype=stat, device=q.device)  # (B, Hkv, G, bm)
         den = torch.zeros_like(m)
         if sinks is not None:  # the sink is a key with logit sinks[h] and no value
-            m = m.clone().copy_(sinks.to(stat).view(1, Hkv, -1, 1).expand_as(m))
+            m = m.clone().copy_(capped_sinks(sinks.to(stat)).view(1, Hkv, -1, 1).expand_as(m))
             den.fill_(1.0)
         acc = q_t.new_zeros((*q_t.shape[:-1], Dv))                           # (B, Hkv, G, bm, Dv)
         for b, masked in blocks:
@@ -196,7 +196,7 @@ def tiled_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale
     dsinks = None
     if sinks is not None:
         exact = pdp if dlse is None else pdp - dlse.to(stat)
-        dsinks = -(torch.exp(sinks.to(stat).view(1, Hq, 1) - lse.to(stat)) * exact).sum(dim=(0, 2))
+        dsinks = -(torch.exp(capped_sinks(sinks.to(stat)).view(1, Hq, 1) - lse.to(stat)) * exact).sum(dim=(0, 2))
     return dq, _in_layout_of(k, dk), _in_layout_of(v, dv), dsinks
 
 

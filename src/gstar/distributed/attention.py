@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .. import api
-from ..pattern import Pattern
+from ..pattern import Pattern, sink_gradient
 from . import halo, ring
 from .exchange import Peers
 from .layout import LAYOUTS, check_layout, check_local_length
@@ -53,7 +53,7 @@ class _ContextParallel(torch.autograd.Function):
         elif dout.stride(-1) != 1:
             dout = dout.contiguous()
         dq, dk, dv, dsinks = _exchange(ctx.spec).backward(dout, q, k, v, sinks, out, lse, dlse, saved, ctx.spec)
-        return dq, dk, dv, None if sinks is None else dsinks.to(sinks.dtype), None
+        return dq, dk, dv, None if sinks is None else sink_gradient(sinks, dsinks).to(sinks.dtype), None
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

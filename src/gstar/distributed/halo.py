@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 
 from .. import ops
-from ..pattern import Pattern
+from ..pattern import Pattern, capped_sinks
 from .exchange import Pending, exchange
 from .layout import chunks, owners
 from .ring import merge
@@ -254,7 +254,7 @@ def backward(dout, q, k, v, sinks, out, lse, dlse, fetched_kv, spec):
         if sinks is not None:
             dsinks = dsinks + g_sinks
             if dlse is not None:  # the own call counted these rows' dLSE term already
-                p_sink = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - g.cut(lse))  # (B, Hq, rows)
+                p_sink = torch.exp(capped_sinks(sinks.to(lse.dtype)).view(1, -1, 1) - g.cut(lse))  # (B, Hq, rows)
                 dsinks = dsinks - (p_sink * g.cut(dlse).to(lse.dtype)).sum(dim=(0, 2))
         for item, call in enumerate(g.calls):  # batch item of each call (0 unless batched)
             row = 0

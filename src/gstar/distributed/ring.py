@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from .. import ops
-from ..pattern import Pattern
+from ..pattern import Pattern, capped_sinks
 from .exchange import pass_along
 from .layout import chunks
 
@@ -130,5 +130,5 @@ def backward(dout, q, k, v, sinks, out, lse, dlse, saved, spec):
         delta = (dout.to(stat) * out.to(stat)).sum(dim=-1)                  # (B, Hq, n)
         if dlse is not None:
             delta = delta - dlse.to(stat)
-        dsinks = -(torch.exp(sinks.to(stat).view(1, -1, 1) - lse.to(stat)) * delta).sum(dim=(0, 2))
+        dsinks = -(torch.exp(capped_sinks(sinks.to(stat)).view(1, -1, 1) - lse.to(stat)) * delta).sum(dim=(0, 2))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks

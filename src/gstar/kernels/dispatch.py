@@ -19,7 +19,7 @@ import triton
 
 from .. import buffers
 from ..fp8 import FP8
-from ..pattern import Pattern
+from ..pattern import Pattern, capped_sinks
 from .common import descriptors
 from .common.fp8 import widen
 from .common.split import decode
@@ -212,7 +212,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
         if sinks is not None:  # -sum_rows exp(sinks - lse) * (rowsum(P * dP) - dLSE), fixed-order sums
             dsinks = -pdp
             if dlse is not None:
-                dsinks += (torch.exp(sinks[None, :, None] - lse) * dlse.float()).sum(dim=(0, 2))
+                dsinks += (torch.exp(capped_sinks(sinks)[None, :, None] - lse) * dlse.float()).sum(dim=(0, 2))
         return like(q).copy_(dq_sum), dk, dv, dsinks
     return portable_backward.backward(dout, q, k, v, out, lse, dlse, sinks, pattern, scale, config=config,
                                       cu_seqlens=cu_seqlens)

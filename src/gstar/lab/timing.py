@@ -3,7 +3,7 @@ L2 flush that leaves the cache clean.
 
 ``triton.testing.do_bench`` flushes by zeroing a 256 MB buffer, which leaves the whole L2 (50 MB on an H100 or
 H200) dirty: the timed call then pays for writing those lines back as its own reads evict them, about 5 us on
-an H200, a tenth of a long decode step whose floor is 31 us (benchmarks/NOTES.md, 'Timing: a clean L2 flush').
+an H200, a tenth of a long decode step.
 Here the flush reads the buffer instead, so each call starts from a cold L2 holding no one's writes. The rest
 follows ``do_bench``: five calls estimate the time, then warm-up calls for ``warmup_ms`` and timed calls for
 ``rep_ms``, each between CUDA events.

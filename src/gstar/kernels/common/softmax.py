@@ -9,11 +9,13 @@ import math
 import triton
 import triton.language as tl
 
+from ...pattern import SINK_LIMIT
 from .rule import visible
 from .sizes import pad_head_dim
 
 LOG2E = tl.constexpr(math.log2(math.e))
 LN2 = tl.constexpr(math.log(2.0))
+_SINK_LIMIT = tl.constexpr(SINK_LIMIT)  # the cap of gstar.pattern, as the kernels read it
 
 
 @triton.jit
@@ -43,10 +45,18 @@ def softmax_step(s, m_i, l_i, rows, cols, qk_scale, rule, MASKED: tl.constexpr, 
 
 
 @triton.jit
+def sink_logit(Sinks, heads):
+    """The learned sink logits of query heads ``heads`` (Sinks: (Hq,) float32), clamped to
+    [-SINK_LIMIT, SINK_LIMIT] as every implementation clamps them (:data:`gstar.pattern.SINK_LIMIT`)."""
+    return tl.minimum(tl.maximum(tl.load(Sinks + heads), -_SINK_LIMIT), _SINK_LIMIT)
+
+
+@triton.jit
 def sink_max(Sinks, heads):
     """The running max a row of query head ``heads`` starts from with learned sinks (Sinks: (Hq,) float32): its
-    sink logit in base 2, with a running sum of 1 (``exp2(m) * l = exp(sink)``)."""
-    return tl.load(Sinks + heads) * LOG2E
+    sink logit in base 2 (:func:`sink_logit`), with a running sum of 1
+    (``exp2(m) * l = exp(sink)``)."""
+    return sink_logit(Sinks, heads) * LOG2E
 
 
 @triton.jit

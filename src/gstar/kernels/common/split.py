@@ -17,7 +17,7 @@ from .. import card
 from ..launch import constexprs, launch
 from .fp8 import descale_args
 from .sizes import pad_head_dim
-from .softmax import LOG2E
+from .softmax import LOG2E, sink_logit
 
 
 
@@ -62,7 +62,7 @@ def combine(Part, PartLse, Sinks, Out, Lse, stride_p, stride_pl, stride_o, strid
                     mask=offs_s < splits, other=float("-inf"))  # (SPLITS_PAD,)
     m = tl.max(lse_s, 0)
     if Sinks is not None:
-        sink = tl.load(Sinks + h)
+        sink = sink_logit(Sinks, h)
         m = tl.maximum(m, sink)
     base = tl.where(m == float("-inf"), 0.0, m)  # a row with no key and no sink: every weight exp(-inf) = 0
     w = tl.exp(lse_s - base)  # (SPLITS_PAD,)
@@ -132,7 +132,8 @@ def decode(plan: Plan, q, cache, cache_seqlens, added: int, sinks, scale: float,
         **plan.args, "Q": q, "K": k, "V": v, "BlockTable": table, "Seqlens": cache_seqlens, "Sinks": kernel_sinks,
         "Out": target, "Lse": target_lse, "stride_q": tuple(q.stride()[:3]), "stride_k": tuple(k.stride()[:3]),
         "stride_v": tuple(v.stride()[:3]), "stride_bt": table.stride(0) if cache.paged else 0, "stride_o": stride_o,
-        "stride_lse": stride_lse, "added": added, "qk_scale": scale * LOG2E.value, **descale_args(descale)}, plan.options)
+        "stride_lse": stride_lse, "added": added, "qk_scale": scale * LOG2E.value, **descale_args(descale)},
+        plan.options)
     if plan.splits > 1:
         launch(combine, (nq, Hq, B), {"Part": target, "PartLse": target_lse, "Sinks": sinks, "Out": out, "Lse": lse,
                                       "stride_p": stride_o, "stride_pl": stride_lse,

@@ -108,8 +108,8 @@ def tiles_fastest(has_left: bool, has_right: bool) -> bool:
 
 @triton.jit
 def table_blocks(Table, index):
-    """The :class:`Blocks` in row ``index`` of a host-built ``(n, 5)`` int32 table (:func:`gstar.pattern.kv_block_table`,
-    whose columns are in :class:`Blocks`' order)."""
+    """The :class:`Blocks` in row ``index`` of a host-built ``(n, 5)`` int32 table
+    (:func:`gstar.pattern.kv_block_table`, whose columns are in :class:`Blocks`' order)."""
     row = Table + index * 5
     return Blocks(tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4))
 

@@ -130,8 +130,8 @@ def _dkdv_step(
 
     k: (BLOCK_N, D_PAD) and v: (BLOCK_N, DV_PAD) of keys ``offs_n`` (BLOCK_N,); LSE2, DELTA point at the
     (Nq,) rows of one query head, and so do Q, DO, or with TMA they are descriptors over (B, Hq, Nq,
-    HEAD_DIM) and (B, Hq, Nq, VALUE_DIM) read at batch ``seq``, head ``head`` (int32). Scores are kept transposed, (BLOCK_N, BLOCK_M), so that both products
-    land in the accumulators' layout.
+    HEAD_DIM) and (B, Hq, Nq, VALUE_DIM) read at batch ``seq``, head ``head`` (int32). Scores are kept
+    transposed, (BLOCK_N, BLOCK_M), so that both products land in the accumulators' layout.
     """
     offs_m = m_start + tl.arange(0, BLOCK_M)                                            # (BLOCK_M,)
     nq = rule.nq
@@ -144,7 +144,7 @@ def _dkdv_step(
         lse2 = tl.load(LSE2 + offs_m)
         delta = tl.load(DELTA + offs_m)
     # both products that need only loaded tiles first, then the softmax work, so that the second product
-    # overlaps the exponentials (dQ's step is faster in its own order): benchmarks/NOTES.md, 'dK/dV product order'
+    # overlaps the exponentials (dQ's step is faster in its own order)
     s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)                              # (BLOCK_N, BLOCK_M)
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)                            # (BLOCK_N, BLOCK_M)
     p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
@@ -185,10 +185,11 @@ def _dkdv(
     ``GROUP // head_splits`` query heads and the Q tiles of one work item.
 
     Q: (B, Hq, Nq, HEAD_DIM), DO: (B, Hq, Nq, VALUE_DIM); K, DK: (B, Hkv, Nk, HEAD_DIM), V, DV: (B, Hkv, Nk,
-    VALUE_DIM); ``stride_x``: the (batch, head, row) strides of x, unit last stride. LSE2, DELTA: (B, Hq, Nq) float32 with strides (*stride_lse, 1).
+    VALUE_DIM); ``stride_x``: the (batch, head, row) strides of x, unit last stride. LSE2, DELTA: (B, Hq, Nq)
+    float32 with strides (*stride_lse, 1).
     Dense (CuQ, CuK None): the items and their Q tile ranges come from WORK, (n_items, 5) int32 (see
     :func:`split_plan`). Packed (CuQ, CuK: (B + 1,) int32): axis 2 is the sequence,
-    found through CuQ, CuK (see ``_forward_kernel``), every KV tile of the longest one is an item, and
+    found through CuQ, CuK (as in the forward), every KV tile of the longest one is an item, and
     :func:`q_tiles` finds its Q tiles. Without SPLIT every KV tile is one item and the
     whole group one split: the result goes to DK, DV in their dtype. With SPLIT (dense only) DK and DV are
     float32 partials ``(B, Hkv, head_splits, n_items, BLOCK_N, D_PAD or DV_PAD)`` contiguous, summed by
@@ -327,14 +328,15 @@ def _dq(
     window's tile spans fewer keys; n_tiles = cdiv(Nq, BLOCK_M // PACK).
 
     Q, DQ: (B, Hq, Nq, HEAD_DIM); O, DO: (B, Hq, Nq, VALUE_DIM); K: (B, Hkv, Nk, HEAD_DIM); V: (B, Hkv, Nk,
-    VALUE_DIM); ``stride_x``: the (batch, head, row) strides of x, unit last stride. LSE, LSE2, DELTA: (B, Hq, Nq) float32 with strides (*stride_lse, 1);
+    VALUE_DIM); ``stride_x``: the (batch, head, row) strides of x, unit last stride. LSE, LSE2, DELTA: (B, Hq,
+    Nq) float32 with strides (*stride_lse, 1);
     DLSE: None or (B, Hq, Nq) of any float dtype and strides ``stride_dlse``. The program first derives its
     rows' statistics, ``delta = rowsum(dO * O) - dLSE`` and the base-2 LSE, and stores them to DELTA and LSE2
     for ``_dkdv`` (launched after it). With learned sinks (Sinks: (Hq,) float32, else None) it also stores
     this tile's share of dsinks[h] for each of its heads, ``-sum_rows exp(sinks[h] - lse) * delta``, to
     DSINKS: (B, n_tiles, Hq) float32, with delta summed as ``rowsum(P * dP) - dLSE`` over the blocks it
     visits: equal to the above in exact arithmetic, without the rounding of O to the input dtype, which
-    a sum over every row of a head would add up (benchmarks/NOTES.md, 'dsinks from P * dP').
+    a sum over every row of a head would add up.
     TMA (dense only): K and V are tensor descriptors moving (1, 1, BLOCK_N, D_PAD) and (1, 1, BLOCK_N,
     DV_PAD) tiles. STATS_ONLY (no sinks): only delta and LSE2, for a backward that accumulates dQ itself
     (:mod:`gstar.kernels.sm90.backward`).

@@ -137,7 +137,7 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, QDescale, KDescale, V
     if K.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:  # an FP8 cache: Q K^T in float16
         q, qk_scale = half_queries(q, qk_scale)
 
-    # the learned sink joins a row's sum once: here with one split, in _combine with several
+    # the learned sink joins a row's sum once: here with one split, in the combine with several
     if SPLIT:
         acc, m_i, l_i = start_state(None, heads, VALUE_DIM)
     else:
@@ -208,7 +208,8 @@ def default_splits(programs: int, visible: int, block_n: int, device: torch.devi
 def plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: bool, block_size: int, pattern: Pattern,
          device: torch.device, precision: str, num_splits: int | None, fp8: bool) -> Plan:
     """The launch of a decode step with this kernel (``block_size``: a paged cache's, else 0; ``pattern``: at the
-    cache's capacity; ``precision``: :func:`gstar.kernels.portable.tiles.dot_precision` of q's dtype; ``num_splits``: the caller's, or None)."""
+    cache's capacity; ``precision``: :func:`gstar.kernels.portable.tiles.dot_precision` of q's dtype;
+    ``num_splits``: the caller's, or None)."""
     group = Hq // Hkv
     width = pad_head_dim(D) + pad_head_dim(Dv)
     block_r = stacked_rows(group * nq, width)

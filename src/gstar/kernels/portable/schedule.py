@@ -1,9 +1,9 @@
-"""The dK/dV work scheduler: how ``backward._dkdv`` divides a dense batch's work over programs.
+"""The dK/dV work scheduler: how the portable backward's dK/dV kernel divides a dense batch's work over programs.
 
 Each KV tile becomes one or more work items (chunks of the Q tiles that see it), and each GQA group one or
 more head splits, so that a small grid (few kv heads, or one KV tile seen by every Q tile) still fills the
-SMs; split work writes float32 partials that ``backward._sum_partials`` adds in a fixed order. The plan
-is a host-built int32 table, derived once per pattern and tile size and cached.
+SMs; split work writes float32 partials that :func:`gstar.kernels.common.partials.sum_partials` adds in a fixed
+order. The plan is a host-built int32 table, derived once per pattern and tile size and cached.
 """
 
 from __future__ import annotations
@@ -46,8 +46,7 @@ def _auto_split(counts: list[int], group: int, programs: int, sms: int) -> tuple
         chunk = cdiv(longest, q_splits)
         if heads == group and q_splits == 1:
             # causal: the longest tiles run twice the mean, and halving their programs shortens the tail; a
-            # 128-key window is even and prefers whole-group programs (benchmarks/NOTES.md, 'dK/dV stages and
-            # the half-group split')
+            # 128-key window is even and prefers whole-group programs
             if group % 2 == 0 and 2 * longest > 3 * sum(busy) / len(busy):
                 return 2, longest
             return 1, longest

@@ -1,6 +1,8 @@
-"""Tile sizes and launch settings of the Triton kernels, in one small table per kernel.
+"""Tile sizes and launch settings of the portable kernels, in one small table per kernel.
 
-Every kernel asks here and nowhere else, so that tuning touches only this file. The CUDA rows are chosen
+Every kernel asks here and nowhere else, so that tuning touches only this file. The rows are the fastest of
+``scripts/tune-forward`` and ``scripts/tune-backward``'s sweeps on an H100 / H200 (benchmarks/NOTES.md keeps
+each sweep); the comments give each row's reason. The CUDA rows are chosen
 for Hopper (H100: 228 KiB shared memory per SM): the Q tile stays resident and K/V tiles are pipelined
 ``num_stages`` deep, so the budget is roughly ``(BLOCK_M + 2 * num_stages * BLOCK_N) * D_PAD * bytes``.
 """
@@ -17,10 +19,7 @@ from .. import card
 
 # (largest width, BLOCK_M, BLOCK_N, num_warps, num_stages, HALVES); the first row whose width fits wins,
 # where a call's width is the mean of its padded head dims D and Dv (:func:`width`), D itself when they
-# are equal. The D <= 128 rows are the fastest of scripts/tune-forward's sweeps (benchmarks/NOTES.md,
-# 'Forward switches' for D <= 64 with PACK_GQA, 'HALVES at head dim 128' for D = 128), and so is the 192
-# row for latent attention's D = 192, Dv = 128 ('Value head dim: tiles for D 192 / Dv 128'); the
-# D = 256 row is checked by compiling for sm_90 only (no register spills). Wider heads (latent decoding's
+# are equal. The D = 256 row is checked by compiling for sm_90 only (no register spills). Wider heads (latent decoding's
 # 576 / 512) take short tiles that keep the (BLOCK_M, Dv) accumulator and the Q tile on chip: serving
 # shapes, where K/V traffic sets the time.
 _FORWARD_16BIT = (
@@ -35,14 +34,13 @@ _FORWARD_16BIT = (
 # short queries: there the D <= 128 row before HALVES (the fastest then) stands in.
 _FORWARD_WITHOUT_HALVES = (128, 128, 8, 3)
 # A narrow window (GPT-OSS's 128-key layers) visits few KV blocks per Q tile: short Q tiles waste fewer
-# masked keys at the band's edges and give the SMs more programs (benchmarks/NOTES.md, 'First forward kernel
-# and its tile sweep').
+# masked keys at the band's edges and give the SMs more programs.
 _NARROW_WINDOW = 256
 _FORWARD_NARROW_16BIT = (64, 64, 4, 2)  # BLOCK_M, BLOCK_N, num_warps, num_stages
 # With GQA heads to pack (at least _NARROW_MIN_PACK), 128-row tiles of 32-key blocks do better at head dim
 # 64: each program covers 32 or 16 positions of 4 or 8 heads, so the band it walks is as narrow as a short
-# tile's while half as many programs start, and 32-key blocks waste fewer masked keys at its edges
-# (benchmarks/NOTES.md, 'Narrow-window forward tiles'; other head dims, not measured, keep the row above).
+# tile's while half as many programs start, and 32-key blocks waste fewer masked keys at its edges (other head
+# dims, not measured, keep the row above).
 _FORWARD_NARROW_PACKED = (128, 32, 4, 3)
 _NARROW_MIN_PACK = 4
 
@@ -55,7 +53,7 @@ _FORWARD_FP32 = (
 )
 # Under the Triton interpreter (CPU tensors) small tiles make tests cover several blocks and stay fast.
 _FORWARD_INTERPRETER = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1, "HALVES": False}
-# Kernel switches (scripts/tune-forward times each; benchmarks/NOTES.md, 'Forward switches'). PACK_GQA: query
+# Kernel switches (scripts/tune-forward times each). PACK_GQA: query
 # heads of one GQA group per tile, so each K/V block is loaded once for the whole pack; each head keeps at
 # least _PACK_MIN_ROWS positions of the tile. FLAT (narrow windows only): one masked loop over the band
 # instead of three short ones, each of which fills and drains the software pipeline. HALVES (a column of the
@@ -84,9 +82,9 @@ def forward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device, 
     """Launch settings of the forward kernel.
 
     head_dim: D (1..1024); dtype: q's dtype; pattern: the normalised attention pattern; device: q's device;
-    group: Hq // Hkv; value_dim: Dv (default D). Returns ``{"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}`` (BLOCK_M counts tile
-    rows over all packed heads) plus the kernel switches ``"PACK_GQA"`` (query heads per tile, a power of
-    two dividing ``group``), ``"FLAT"`` and ``"HALVES"`` (bool).
+    group: Hq // Hkv; value_dim: Dv (default D). Returns ``{"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}``
+    (BLOCK_M counts tile rows over all packed heads) plus the kernel switches ``"PACK_GQA"`` (query heads per
+    tile, a power of two dividing ``group``), ``"FLAT"`` and ``"HALVES"`` (bool).
     """
     if torch.device(device).type != "cuda":
         return dict(_FORWARD_INTERPRETER, PACK_GQA=1, FLAT=False)
@@ -179,39 +177,36 @@ class BackwardConfig:
 # a program resident, so the key tile is as long as registers allow and the Q tile short; dQ is the mirror
 # image. Hopper's wgmma gives each warpgroup (4 warps) 64 rows of a product, so 8 warps want 128-row
 # tiles (dkdv_n = 128, dq_m = 128): with 64 rows Triton lays the scores out over both warpgroups twice.
-# The D <= 128 rows are the fastest of scripts/tune-backward's sweeps: at D = 128 the 64x128 dK/dV tile
-# spills a little (scripts/kernel-sass) and still beats the spill-free 32x128 (benchmarks/NOTES.md, 'Backward
-# split and tiles'); D <= 64 takes three dK/dV stages ('dK/dV stages and the half-group split'). TMA:
-# descriptor loads of the per-step tiles make dQ faster at every head dim and dK/dV at D <= 64, and dK/dV at
-# D = 128 slower ('Backward tensor descriptors'). Each descriptor launch costs ~25 us more host time (Triton
-# encodes the descriptors in Python at every launch), more than the narrow window's kernels gain, so narrow
-# windows keep pointers, and so do backward passes under _DESCRIPTOR_MIN_WORK (B * Hq * Nq * keys per row
-# (the window's width, or Nk) * D_PAD; the gpt-oss causal case is 1.4e11): their GPU work (~0.3 ms at 1e10)
-# is too short for the host to stay ahead of it. The float32 rows are for accuracy, not speed, and keep the
-# pointer path, as does the unmeasured D = 256 row.
+# At D = 128 the 64x128 dK/dV tile spills a little (scripts/kernel-sass) and still beats the spill-free
+# 32x128; D <= 64 takes three dK/dV stages. TMA: descriptor loads of the per-step tiles make dQ faster at
+# every head dim and dK/dV at D <= 64, and dK/dV at D = 128 slower. Triton encodes the descriptors in Python
+# at every launch, more host time than the narrow window's kernels gain, so narrow windows keep pointers, and
+# so do backward passes under _DESCRIPTOR_MIN_WORK (B * Hq * Nq * keys per row (the window's width, or Nk) *
+# D_PAD): their GPU work is too short for the host to stay ahead of it. The float32 rows are for accuracy,
+# not speed, and keep the pointer path, as does the unmeasured D = 256 row.
 _DESCRIPTOR_MIN_WORK = 10 ** 10
 _BACKWARD_16BIT = (
     (64, True, (64, 64, 4, 3, False), (64, 64, 4, 2, False)),   # narrow window: a KV tile is seen by few Q tiles
     (64, False, (64, 64, 4, 3, True), (128, 64, 8, 2, True)),
     (128, False, (64, 128, 8, 3, False), (128, 64, 8, 3, True)),
-    (192, False, (32, 128, 8, 2, False), (128, 64, 8, 2, True)),  # D 192 / Dv 128 (NOTES: 'Value head dim: ...')
+    (192, False, (32, 128, 8, 2, False), (128, 64, 8, 2, True)),  # latent attention's D 192 / Dv 128
     (256, False, (16, 32, 4, 1, False), (32, 32, 4, 1, False)),
     (1024, False, (16, 16, 4, 1, False), (16, 16, 4, 1, False)),  # latent attention's widths: correct, not fast
 )
 # Narrow windows at head dim 64 with GQA heads to pack: dQ tiles of 16 positions of 4 heads over 32-key
 # blocks, as the forward's packed tiles (each program's band spans 143 keys instead of 191); 8 heads per
-# tile, 128-row tiles and causal patterns are slower or even (benchmarks/NOTES.md, 'Packed dQ tiles').
+# tile, 128-row tiles and causal patterns are slower or even.
 _DQ_NARROW_PACKED = (64, 32, 4, 2, False)
 _DQ_NARROW_PACK = 4
 # dQ's 8-warp tiles at head dim <= 64 fit two programs per SM (65,536 registers) at up to 128 registers a
-# thread; learned sinks' P * dP row sums take the compiler to 134 and halve that, which costs the GPT-OSS
-# causal dQ 1.6x its time; capped at 128 it spills nothing (benchmarks/NOTES.md, 'dsinks from P * dP').
+# thread; learned sinks' P * dP row sums take the compiler to 134, and one program an SM; capped at 128 it
+# spills nothing.
 _DQ_TWO_PROGRAMS = 128
 
 
 def backward_config(head_dim: int, dtype: torch.dtype, pattern: Pattern, device, batch_heads: int = 1,
                     group: int = 1, value_dim: int | None = None) -> BackwardConfig:
-    """Launch settings of the backward kernels (same arguments as ``configs.forward_config``, and
+    """Launch settings of the backward kernels (same arguments as :func:`forward_config`, and
     ``batch_heads`` = B * Hq, which with the pattern sizes the work for the descriptor switches).
 
     Under the interpreter the tiles are small and unequal, so that the two block tables differ and tests

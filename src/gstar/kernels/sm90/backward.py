@@ -24,7 +24,7 @@ finishes over the other 64 keys and writes the (64, D) float32 result into its s
 A writer warp hands the tile to the copy engine, which adds it into the dQ accumulator, and frees it once read
 (``dq_free``); the add's latency stays in the writer, and the other warpgroup has meanwhile moved on to the
 next step's products, so the tensor cores stay busy. A symmetric split (each warpgroup half of dQ's columns
-every step) keeps both in lockstep and was slower (benchmarks/NOTES.md, 'Fused backward with atomic dQ'). The
+every step) keeps both in lockstep and is slower. The
 dS tile is double-buffered by step parity: the barrier a warpgroup waits at tells it that the other has
 finished reading the tile it is about to overwrite.
 
@@ -47,7 +47,7 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon._runtime import constexpr_function
+from triton import constexpr_function
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.language.core import _aggregate as aggregate  # named bundles of values, as Triton's own Gluon code
@@ -295,8 +295,8 @@ def _key_warpgroup(DK, DV, Lse2, Delta, Sinks, Shares, shared, b, hkv, part, h_f
     keys = key0 + half * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (64,)
     mbarrier.wait(shared.kv_ready, 0)
     # S^T's and dP^T's A operands. A 64 x 64 product with both in shared memory reads 128 bytes a clock, all the
-    # SM's shared-memory bandwidth, so at D = 64 (32 registers) K and V come from registers: 3-4% faster. Not
-    # with learned sinks (their sum's registers leave no room: 0.6% slower) nor at D = 128 (it would spill)
+    # SM's shared-memory bandwidth, so at D = 64 (32 registers) K and V come from registers. Not with learned
+    # sinks (their sum's registers leave no room) nor at D = 128 (it would spill)
     if HEAD_DIM <= 64 and Sinks is None:
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
         k_op = k.load(op_layout)  # (64 keys, D)
@@ -429,11 +429,11 @@ def count_late(pattern: Pattern) -> bool:
 
 def backward(q, k, v, dout, dk, dv, dqa, lse2, delta, sinks, pattern: Pattern, scale: float, deterministic: bool):
     """Fill dk, dv (like k, v) and add ``scale * dS K`` into dqa (B, Hq, Nq, D) float32 contiguous, zeroed,
-    for a dense call :mod:`gstar.kernels.dispatch` gives this kernel. q, dout: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D); lse2, delta:
-    (B, Hq, Nq) float32 contiguous, the base-2 LSE and ``rowsum(dO * O) - dLSE`` (the dQ kernel's
-    statistics, :func:`gstar.kernels.portable.backward.statistics`); sinks: None or (Hq,) float32 learned sink logits. deterministic: each dQ tile's adds in
-    descending KV-tile order. Returns None, or with sinks ``sum_rows exp(sinks - lse) * rowsum(P * dP)``,
-    (Hq,) float32 summed in a fixed order: dsinks is minus it plus the LSE gradient's term. It sums P * dP
+    for a dense call :mod:`gstar.kernels.dispatch` gives this kernel. q, dout: (B, Hq, Nq, D); k, v: (B, Hkv, Nk,
+    D); lse2, delta: (B, Hq, Nq) float32 contiguous, the base-2 LSE and ``rowsum(dO * O) - dLSE`` (the dQ
+    kernel's statistics, :func:`gstar.kernels.portable.backward.statistics`); sinks: None or (Hq,) float32
+    learned sink logits. deterministic: each dQ tile's adds in descending KV-tile order. Returns None, or with
+    sinks ``sum_rows exp(sinks - lse) * rowsum(P * dP)``, (Hq,) float32 summed in a fixed order: dsinks is minus it plus the LSE gradient's term. It sums P * dP
     rather than taking delta, whose O is rounded to the input dtype."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]

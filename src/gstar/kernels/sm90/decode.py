@@ -31,7 +31,7 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon._runtime import constexpr_function
+from triton import constexpr_function
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.language.extra.cuda import gdc_launch_dependents
 
@@ -223,16 +223,16 @@ def _fold_pairs(acc, m_i, l_i, q, rows, i_lo, i_hi, cache, walk, seq_rule, qk_sc
     offs = (k_offs, offs_kn, v_offs, offs_vn)
     start_a, k_a, v_a = _tiles(cache, walk, i_lo, _row(cache, walk, i_lo, i_hi, MASKED, PAGE), i_hi, offs, nk, MASKED,
                                KEY_WORDS, LINES)  # (BLOCK_N, D / 4), (BLOCK_N, DV / 4) words
-    start_b, k_b, v_b = _tiles(cache, walk, i_lo + 1, _row(cache, walk, i_lo + 1, i_hi, MASKED, PAGE), i_hi, offs, nk, MASKED,
-                               KEY_WORDS, LINES)
+    start_b, k_b, v_b = _tiles(cache, walk, i_lo + 1, _row(cache, walk, i_lo + 1, i_hi, MASKED, PAGE), i_hi, offs,
+                               nk, MASKED, KEY_WORDS, LINES)
     for i in range(i_lo, i_hi, 2):
         acc, m_i, l_i = _fold(acc, m_i, l_i, q, k_a, v_a, start_a + offs_n, rows, seq_rule, qk_scale, MASKED)
-        start_a, k_a, v_a = _tiles(cache, walk, i + 2, _row(cache, walk, i + 2, i_hi, MASKED, PAGE), i_hi, offs, nk, MASKED,
-                                   KEY_WORDS, LINES)
+        start_a, k_a, v_a = _tiles(cache, walk, i + 2, _row(cache, walk, i + 2, i_hi, MASKED, PAGE), i_hi, offs, nk,
+                                   MASKED, KEY_WORDS, LINES)
         if i + 1 < i_hi:
             acc, m_i, l_i = _fold(acc, m_i, l_i, q, k_b, v_b, start_b + offs_n, rows, seq_rule, qk_scale, MASKED)
-        start_b, k_b, v_b = _tiles(cache, walk, i + 3, _row(cache, walk, i + 3, i_hi, MASKED, PAGE), i_hi, offs, nk, MASKED,
-                                   KEY_WORDS, LINES)
+        start_b, k_b, v_b = _tiles(cache, walk, i + 3, _row(cache, walk, i + 3, i_hi, MASKED, PAGE), i_hi, offs, nk,
+                                   MASKED, KEY_WORDS, LINES)
     return acc, m_i, l_i
 
 

@@ -28,7 +28,7 @@ on causal rows with few keys, which bfloat16's 8 bits keep.
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon._runtime import constexpr_function
+from triton import constexpr_function
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.language.core import _aggregate as aggregate  # named bundles of values, as Triton's own Gluon code
@@ -317,7 +317,7 @@ def _consume_item(item, c, t, args, flags):
     warpgroup's part of the Q slot (FP8: a slot of its own) and a TMA store, which clips rows past Nq and is
     waited for one item later. Packed: masked stores to Out, since the rows past this sequence's end are the
     next sequence's. args, flags: as :func:`_consumer_warpgroup` passes them (the descales and stride_ds as
-    :func:`_forward_kernel` takes them; q's and k's descales join qk_scale here)."""
+    :func:`_forward_sm90` takes them; q's and k's descales join qk_scale here)."""
     (o_desc, Out, Lse, Sinks, QDescale, KDescale, VDescale, shared, group, pattern_bounds, qk_scale, stride_ds,
      stride_o, stride_lse) = args
     left, right, sink_tokens = pattern_bounds
@@ -448,11 +448,13 @@ def _forward_sm90(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sinks, QDescale, KDe
         gl.warp_specialize([(_consumer_warpgroup, (args, items, flags, 0, PERSISTENT)),
                             (_consumer_warpgroup, (args, items, flags, 1, PERSISTENT)),
                             (_consumer_warpgroup, (args, items, flags, 2, PERSISTENT)),
-                            (_load_warp, (q_desc, k_desc, v_desc, shared, items, group, pattern_bounds, MASK, PERSISTENT))], [4, 4, 1], [REGS, REGS, 24])
+                            (_load_warp, (q_desc, k_desc, v_desc, shared, items, group, pattern_bounds, MASK,
+                                          PERSISTENT))], [4, 4, 1], [REGS, REGS, 24])
     else:
         gl.warp_specialize([(_consumer_warpgroup, (args, items, flags, 0, PERSISTENT)),
                             (_consumer_warpgroup, (args, items, flags, 1, PERSISTENT)),
-                            (_load_warp, (q_desc, k_desc, v_desc, shared, items, group, pattern_bounds, MASK, PERSISTENT))], [4, 1], [REGS, 24])
+                            (_load_warp, (q_desc, k_desc, v_desc, shared, items, group, pattern_bounds, MASK,
+                                          PERSISTENT))], [4, 1], [REGS, 24])
 
 
 def walks(dtype: torch.dtype, pattern: Pattern, packed: bool) -> bool:

@@ -189,7 +189,7 @@ class Eager(Peer):
 
     def uncapturable(self, case, device, mode):
         # a capture keeps intermediates that an eager call frees and reuses, so it needs more than the estimate
-        # below: twice it (benchmarks/NOTES.md, 'Graph-timed runs: memory after a failed capture')
+        # below: twice it
         return self._oom_risk(case, device, mode, 2)
 
     @staticmethod
