@@ -57,7 +57,7 @@ def _takes(q, k, v, paged, stacked):
 
 def test_not_served_off_the_gpu():
     call = dispatch.Call("decode", torch.bfloat16, F8, 64, 64, Pattern.make(1, 1 << 20), 8)
-    assert dispatch.serves_sm90(call) and dispatch.family(call, torch.device("cpu"), True) == dispatch.PORTABLE
+    assert dispatch.serves_sm90(call) and dispatch.family(call, torch.device("cpu")) == dispatch.PORTABLE
 
 
 def _plan(monkeypatch, capacity, window=(-1, -1), B=1, num_splits=None, major=9, registers=True, page=0):
@@ -71,7 +71,9 @@ def _plan(monkeypatch, capacity, window=(-1, -1), B=1, num_splits=None, major=9,
     for cached in (decode.plan, hopper_decode.plan):  # plans of the real card, none left made on a stand-in
         cached.cache_clear()
     try:
-        return dispatch.decode_plan(call, torch.device("cuda"), registers, B, 8, page, num_splits)
+        with monkeypatch.context() as m:
+            m.setattr(hopper_decode, "fits", lambda *args: registers)
+            return dispatch.decode_plan(call, torch.device("cuda"), (None, None), B, 8, page, num_splits)
     finally:
         for cached in (decode.plan, hopper_decode.plan):
             cached.cache_clear()

@@ -84,13 +84,13 @@ def serves_sm90(call: Call) -> bool:
     """Whether the sm_90 kernels' tables give them calls of this kind (whatever the card)."""
     p = call.pattern
     if call.pass_ == "forward":
-        walks = sm90_forward.walks(call.dtype, p, call.packed)
         fp8 = call.dtype == FP8
         table = SM90_FORWARD_FP8 if fp8 else SM90_FORWARD
         rule = call._replace(dtype=torch.bfloat16) if fp8 else call  # the 16-bit rule, FP8's table
-        return (_full_or_causal(rule, table)
-                and p.nq >= (sm90_forward.block_m(call.head_dim) if walks
-                             else max(sm90_forward.block_m(call.head_dim), table[call.head_dim])))
+        if not _full_or_causal(rule, table):
+            return False
+        least = sm90_forward.block_m(call.head_dim)  # one full Q tile; a per-item grid the table's length too
+        return p.nq >= (least if sm90_forward.walks(call.dtype, p, call.packed) else max(least, table[call.head_dim]))
     if call.pass_ == "backward":
         least_group, full = SM90_BACKWARD.get(call.head_dim, (0, False))
         return (not call.packed and _full_or_causal(call, SM90_BACKWARD) and call.group >= least_group
@@ -100,10 +100,26 @@ def serves_sm90(call: Call) -> bool:
             and sm90_decode.visible_keys(p, p.nq) >= SM90_DECODE_KEYS)
 
 
-def family(call: Call, device: torch.device, readable: bool = True) -> str:
+def family(call: Call, device: torch.device, operands: tuple = ()) -> str:
     """The family that runs this call on ``device``: :data:`SM90` on an sm_90 GPU under a verified Triton for
-    the calls :func:`serves_sm90` gives it whose operands it can read (``readable``), else :data:`PORTABLE`."""
-    return SM90 if VERIFIED and card.sm90(device) and readable and serves_sm90(call) else PORTABLE
+    the calls :func:`serves_sm90` gives it whose ``operands`` it can read (:func:`_reads`; none given: any),
+    else :data:`PORTABLE`. The cheap questions come first: small calls feel every microsecond of host time."""
+    if VERIFIED and card.sm90(device) and serves_sm90(call) and (not operands or _reads(call, operands)):
+        return SM90
+    return PORTABLE
+
+
+def _reads(call: Call, operands: tuple) -> bool:
+    """Whether the sm_90 kernel of ``call``'s pass can read its operands: the copy engine's descriptors for the
+    forward (q, k, v; FP8's V widened to bfloat16) and the backward (q, k, v, dO), a cache laid out for the
+    decode kernel's word loads (k, v)."""
+    if call.pass_ == "decode":
+        return sm90_decode.fits(*operands, call.paged)
+    if call.pass_ == "forward":
+        q, k, v = operands
+        if not (q.dtype == k.dtype and v.dtype == (torch.bfloat16 if q.dtype == FP8 else q.dtype)):
+            return False
+    return descriptors.supported(*operands)
 
 
 def sitting_out(device: torch.device) -> str | None:
@@ -157,9 +173,7 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
         v = widen(v, torch.bfloat16)                                               # (B, Hkv, Nk, Dv)
     lse = buffers.empty(q.shape[:3], dtype=torch.float32, device=q.device)        # (B, Hq, Nq)
     call = Call("forward", q.dtype, k.dtype, q.shape[3], v.shape[3], pattern, q.shape[1] // k.shape[1], varlen)
-    readable = q_in.dtype == k.dtype and v.dtype == (torch.bfloat16 if q.dtype == FP8 else q.dtype) and (
-        descriptors.supported(q_in, k, v))
-    if config is None and family(call, q.device, readable) == SM90:
+    if config is None and family(call, q.device, (q_in, k, v)) == SM90:
         sm90_forward.forward(q_in, k, v, sinks, out, lse, pattern, scale, cu_seqlens, descale)
     else:
         portable_forward.forward(q_in, k, v, sinks, out, lse, pattern, scale, config, cu_seqlens, descale)
@@ -201,7 +215,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
                 dsinks += dlse.float().sum(dim=(0, 2))
         return (*grads, dsinks)
     call = Call("backward", q.dtype, k.dtype, q.shape[3], v.shape[3], pattern, Hq // k.shape[1], varlen)
-    if config is None and family(call, q.device, descriptors.supported(q, k, v, dout)) == SM90:
+    if config is None and family(call, q.device, (q, k, v, dout)) == SM90:
         # the dQ kernel's row statistics alone, then one kernel for dK, dV and a float32 dQ
         lse2, delta = portable_backward.statistics(dout, q, k, v, out, lse, dlse, pattern, scale)
         dk, dv = like(k), like(v)
@@ -233,19 +247,18 @@ def decode_forward(q, cache, cache_seqlens, added: int, sinks, pattern: Pattern,
         cache_seqlens = torch.full((B,), cache.capacity - added, dtype=torch.int32, device=q.device)
     q_in, scale = _positive(q, scale)
     call = Call("decode", q.dtype, k.dtype, D, Dv, pattern, Hq // Hkv, paged=cache.paged)
-    plan = decode_plan(call, q.device, sm90_decode.fits(k, v, cache.paged), B, Hkv,
-                       cache.block_size if cache.paged else 0, num_splits)
+    plan = decode_plan(call, q.device, (k, v), B, Hkv, cache.block_size if cache.paged else 0, num_splits)
     return decode(plan, q_in, cache, cache_seqlens, added, sinks, scale, descale, out_dtype)
 
 
-def decode_plan(call: Call, device: torch.device, fits: bool, batch: int, kv_heads: int, block_size: int,
+def decode_plan(call: Call, device: torch.device, cache: tuple, batch: int, kv_heads: int, block_size: int,
                 num_splits: int | None):
     """The launches of a decode step (:class:`gstar.kernels.common.split.Plan`) from the family that serves it:
-    ``fits`` whether the cache is laid out as the sm_90 kernel reads it, ``block_size`` a paged cache's (else 0),
-    ``num_splits`` the caller's or None."""
+    ``cache`` its (k, v) (or () where any layout goes), ``block_size`` a paged cache's (else 0), ``num_splits``
+    the caller's or None."""
     p = call.pattern
     heads = call.group * kv_heads
-    if family(call, device, fits) == SM90:
+    if family(call, device, cache) == SM90:
         return sm90_decode.plan(batch, heads, kv_heads, p.nq, call.head_dim, call.value_dim, call.paged, block_size,
                                 p, device, num_splits)
     return portable_decode.plan(batch, heads, kv_heads, p.nq, call.head_dim, call.value_dim, call.paged, block_size,

@@ -32,6 +32,7 @@ objects have those attributes); where they differ every launch takes Triton's pu
 from __future__ import annotations
 
 import inspect
+import operator
 
 import torch
 from triton import knobs
@@ -123,12 +124,13 @@ class _KernelCache:
     classes; both to :class:`_Compiled` (an exact entry shares the object of its class entry). ``names``: its
     runtime parameters in order, of which the first ``pointers`` take tensors (learnt at its first launch)."""
 
-    __slots__ = ("exact", "by_class", "names", "pointers")
+    __slots__ = ("exact", "by_class", "names", "values", "pointers")
 
     def __init__(self, fn, args: dict):
         self.exact, self.by_class = {}, {}
         parameters = inspect.signature(getattr(fn, "fn", fn)).parameters  # the interpreter's kernels too
         self.names = tuple(n for n, p in parameters.items() if "constexpr" not in str(p.annotation))
+        self.values = operator.itemgetter(*self.names)  # a call's values in the kernel's order, in one C call
         self.pointers = next((i for i, n in enumerate(self.names) if not _is_pointer(args[n])), len(self.names))
 
 
@@ -154,7 +156,7 @@ def launch(fn, grid: tuple[int, int, int], args: dict, options: tuple) -> None:
     cache = _caches.get(fn)
     if cache is None:
         cache = _caches[fn] = _KernelCache(fn, args)
-    values = tuple(map(args.__getitem__, cache.names))
+    values = cache.values(args)
     tensors, scalars = values[:cache.pointers], values[cache.pointers:]
     first = next(t for t in tensors if t is not None)
     index = (first if isinstance(first, torch.Tensor) else first.base).get_device()  # -1 on the CPU

@@ -17,9 +17,13 @@ def descale_args(descale) -> dict:
     """A call's descales by the names the kernels take them: ``QDescale``, ``KDescale``, ``VDescale`` (each None for
     a descale of 1; all three None without FP8 inputs) and ``stride_ds``, their (batch, head) strides, six ints
     (0 for None)."""
-    descale = descale or (None,) * 3
+    if descale is None:
+        return _NO_DESCALES
     return {"QDescale": descale[0], "KDescale": descale[1], "VDescale": descale[2],
             "stride_ds": tuple(s for d in descale for s in (d.stride() if d is not None else (0, 0)))}
+
+
+_NO_DESCALES = {"QDescale": None, "KDescale": None, "VDescale": None, "stride_ds": (0,) * 6}
 
 
 @triton.jit
