@@ -53,6 +53,8 @@ PATTERNS = {  # id: (keywords, learned sinks)
     "sink-tokens": (dict(causal=True, window=(4, 0), sink_tokens=3), False),
     "learned-sinks": (dict(causal=True), True),
     "window-sinks": (dict(window=(6, 0), sink_tokens=2), True),
+    "softcap": (dict(causal=True, softcap=1.5), False),                  # through the ring
+    "window-softcap": (dict(causal=True, window=(5, 0), softcap=0.7), True),  # through the halo exchange
 }
 
 

@@ -220,7 +220,7 @@ def test_grid_walks_tiles_fastest_without_mask_bounds(device_type, causal, windo
     for D in (16, 64, 128):
         shape, stride = (B, Hq, N, D), (Hq * N * D, N * D, D, 1)
         plan = portable_forward._plan(shape, stride, (B, Hkv, N, D), stride, (B, Hkv, N, D), stride, torch.bfloat16,
-                                       torch.device(device_type), pattern, 0.1, None, None, "tf32")
+                                       torch.device(device_type), pattern, 0.1, 0.0, None, None, "tf32")
         options = dict(plan.options)
         n_tiles = triton.cdiv(N, options["BLOCK_M"] // options["PACK"])
         heads = Hq // options["PACK"]

@@ -27,6 +27,8 @@ PATTERNS = {  # id: (keywords, learned sinks)
     "sink-tokens": (dict(causal=True, window=(4, 0), sink_tokens=2), False),
     "learned-sinks": (dict(causal=True), True),
     "window-sinks": (dict(causal=True, window=(6, 0), sink_tokens=3), True),
+    "chunk-softcap": (dict(causal=True, chunk=20, softcap=1.5), False),  # chunks end inside every sequence
+    "chunk-sinks": (dict(causal=True, chunk=16, window=(9, 0), sink_tokens=2), True),
 }
 LAYOUTS = {"contiguous": (None,), "paged16": (16,), "paged32": (32,), "paged48": (48,)}
 QUERIES = {"nq1": (1,), "nq3": (3,), "nq16": (16,)}
@@ -67,7 +69,8 @@ def make_case(*, block_size, nq, pattern, learned_sinks, append, heads=(4, 2), l
         pages = torch.randperm(pool, generator=g)[:B * blocks].view(B, blocks).int()
         table = torch.full_like(pages, -1)
         for b in range(B):
-            seen = read_blocks(Pattern.make(nq, total[b], **pattern), block_size)
+            rule = {k: x for k, x in pattern.items() if k != "softcap"}
+            seen = read_blocks(Pattern.make(nq, total[b], **rule), block_size)
             table[b, seen] = pages[b, seen]
             for j in range(blocks):  # every block the sequence fills, visible or not, is written
                 lo, hi = j * block_size, min((j + 1) * block_size, lengths[b])
@@ -92,7 +95,7 @@ def oracle(q, keys, values, pattern, sinks):
 
 
 def _pattern_of(kwargs):
-    return {k: kwargs[k] for k in ("causal", "window", "sink_tokens") if k in kwargs}
+    return {k: kwargs[k] for k in ("causal", "window", "sink_tokens", "chunk", "softcap") if k in kwargs}
 
 
 @pytest.mark.parametrize("layout, nq, pattern, learned_sinks, append", grid(
@@ -226,7 +229,7 @@ def test_compiled_step_matches_eager(layout):
     capacity = Cache(*caches[1], kwargs.get("block_table")).capacity
     pattern = Pattern.make(3, capacity, causal=True, window=(6, 0), sink_tokens=3)
     torch.library.opcheck(decode_op, (q, *caches[1], kwargs.get("block_table"), kwargs["cache_seqlens"],
-                                      kwargs["sinks"], 3, list(pattern.fields()), 0.35, 2, "torch", None, None))
+                                      kwargs["sinks"], 3, list(pattern.fields()), 0.35, 0.0, 2, "torch", None, None))
 
 
 def test_bad_input():

@@ -13,15 +13,15 @@ import torch
 import gstar
 from gstar import ops
 
-PATTERNS = {
-    "full": (-1, -1, 0),
-    "causal_window_sink_tokens": (5, 0, 2),  # (left, right, sink_tokens)
-    "two_sided": (3, 4, 0),
+PATTERNS = {  # id: ((left, right, sink_tokens, chunk), softcap)
+    "full": ((-1, -1, 0, 0), 0.0),
+    "causal_window_sink_tokens_chunk_softcap": ((5, 0, 2, 7), 1.5),
+    "two_sided": ((3, 4, 0, 0), 0.0),
 }
 # opcheck takes ~20 s a case on two CPU cores: the quick tier checks the case with every option on, the
 # full suite (pytest --full) every pattern with and without sinks
 OPCHECK_CASES = [pytest.param(p, s, id=f"{p}-{'sinks' if s else 'nosinks'}",
-                              marks=() if (p, s) == ("causal_window_sink_tokens", True) else pytest.mark.slow)
+                              marks=() if (p, s) == ("causal_window_sink_tokens_chunk_softcap", True) else pytest.mark.slow)
                  for p in PATTERNS for s in (False, True)]
 
 
@@ -53,9 +53,10 @@ def _detached(*ts):
 
 
 def _options(pattern, q, k, backend, max_lengths=None) -> tuple:
-    """The operators' non-tensor arguments: the pattern's fields (nq, nk, left, right, sink_tokens), scale, backend,
-    deterministic."""
-    return ([*(max_lengths or (q.shape[2], k.shape[2])), *PATTERNS[pattern]], 0.3, backend, True)
+    """The operators' non-tensor arguments: the pattern's fields (nq, nk, left, right, sink_tokens, chunk), scale,
+    softcap, backend, deterministic."""
+    bounds, softcap = PATTERNS[pattern]
+    return ([*(max_lengths or (q.shape[2], k.shape[2])), *bounds], 0.3, softcap, backend, True)
 
 
 def _opcheck(q, k, v, s, cu_q, cu_k, options):
@@ -113,8 +114,8 @@ def _compile(fn, device, dynamic):
 
 
 def _dense_step(q, k, v, sinks, dout):
-    out, lse = gstar.flash_attention(q, k, v, causal=True, window=(6, 0), sink_tokens=1, sinks=sinks,
-                                     return_lse=True)
+    out, lse = gstar.flash_attention(q, k, v, causal=True, window=(6, 0), sink_tokens=1, sinks=sinks, chunk=9,
+                                     softcap=2.0, return_lse=True)
     return (out * dout).sum() + lse.square().sum()
 
 

@@ -10,6 +10,7 @@ from gstar.pattern import Pattern, kv_block_table, q_block_table
 LENGTHS = [(1, 1), (1, 17), (17, 1), (17, 17), (33, 64), (64, 33), (70, 130), (113, 127), (128, 128)]
 WINDOWS = [(-1, -1), (-1, 0), (0, 0), (3, 0), (5, 2), (16, 16), (31, 0), (64, 0), (200, 0), (-1, 3), (7, -1)]
 SINKS = [0, 1, 4, 20]
+CHUNKS = [0, 1, 5, 16, 40]
 TILES = [(16, 16), (16, 32), (32, 16), (64, 64)]
 
 
@@ -24,8 +25,8 @@ def _tile(mask, r0, bm, c0, bn):
 
 @pytest.mark.parametrize("bm,bn", TILES)
 def test_kv_table_covers_exactly_the_visible_blocks(bm, bn):
-    for (nq, nk), window, s in itertools.product(LENGTHS, WINDOWS, SINKS):
-        p = Pattern.make(nq, nk, window=window, sink_tokens=s)
+    for (nq, nk), window, s, chunk in itertools.product(LENGTHS, WINDOWS, SINKS, CHUNKS):
+        p = Pattern.make(nq, nk, window=window, sink_tokens=s, chunk=chunk)
         mask = p.mask()
         table = kv_block_table(p, bm, bn).tolist()
         assert len(table) == -(-nq // bm)
@@ -41,8 +42,8 @@ def test_kv_table_covers_exactly_the_visible_blocks(bm, bn):
 
 @pytest.mark.parametrize("bm,bn", TILES)
 def test_q_table_covers_exactly_the_visible_blocks(bm, bn):
-    for (nq, nk), window, s in itertools.product(LENGTHS, WINDOWS, SINKS):
-        p = Pattern.make(nq, nk, window=window, sink_tokens=s)
+    for (nq, nk), window, s, chunk in itertools.product(LENGTHS, WINDOWS, SINKS, CHUNKS):
+        p = Pattern.make(nq, nk, window=window, sink_tokens=s, chunk=chunk)
         mask = p.mask()
         table = q_block_table(p, bm, bn).tolist()
         assert len(table) == -(-nk // bn)
@@ -63,8 +64,8 @@ def test_interior_is_used_for_plain_causal():
 
 
 def test_visible_pairs_matches_mask():
-    for (nq, nk), window, s in itertools.product(LENGTHS, WINDOWS, SINKS):
-        p = Pattern.make(nq, nk, window=window, sink_tokens=s)
+    for (nq, nk), window, s, chunk in itertools.product(LENGTHS, WINDOWS, SINKS, CHUNKS):
+        p = Pattern.make(nq, nk, window=window, sink_tokens=s, chunk=chunk)
         assert p.visible_pairs() == int(p.mask().sum())
 
 
@@ -75,3 +76,18 @@ def test_normalisation():
     p = Pattern.make(4, 6, window=(2, 0), sink_tokens=1)
     expected = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 0, 1, 1, 1, 0], [1, 0, 0, 1, 1, 1]])
     assert torch.equal(p.mask().int(), expected)
+
+
+def test_chunk_rule():
+    """Llama 4's chunks (a query sees the keys of its own chunk of positions, counted from key 0), with causality,
+    a window and sink tokens, drawn: Nq = 6, Nk = 8 (p(i) = i + 2), chunk 3, causal, one sink token."""
+    p = Pattern.make(6, 8, causal=True, sink_tokens=1, chunk=3)
+    expected = torch.tensor([[1, 1, 1, 0, 0, 0, 0, 0],   # p = 2: chunk 0
+                             [1, 0, 0, 1, 0, 0, 0, 0],   # p = 3: chunk 1, the sink token beside it
+                             [1, 0, 0, 1, 1, 0, 0, 0],
+                             [1, 0, 0, 1, 1, 1, 0, 0],
+                             [1, 0, 0, 0, 0, 0, 1, 0],   # p = 6: chunk 2
+                             [1, 0, 0, 0, 0, 0, 1, 1]])
+    assert torch.equal(p.mask().int(), expected)
+    assert not Pattern.make(4, 2, chunk=2).mask()[:2].any()  # rows before the keys (p(i) < 0) see nothing
+    assert Pattern.make(8, 8, chunk=4, sink_tokens=2).sink_tokens == 2  # the chunk is a left bound

@@ -9,34 +9,45 @@ import torch
 import triton
 import triton.language as tl
 
-from gstar.kernels.common.rule import Mask, rule, sequence_bounds, visible
+from gstar.kernels.common.rule import mask, rule, sequence_bounds, visible
 from gstar.kernels.common.walk import block_at, kv_blocks, q_tiles, steps
 from gstar.pattern import Pattern, kv_block_table, q_block_table
 
 LENGTHS = [(1, 1), (1, 17), (17, 1), (17, 17), (33, 64), (64, 33), (70, 130), (113, 127)]
 WINDOWS = [(-1, -1), (-1, 0), (0, 0), (3, 0), (5, 2), (16, 16), (31, 0), (200, 0), (-1, 3), (7, -1)]
 SINKS = [0, 1, 4, 20]
+CHUNKS = [5, 16, 40]  # with a subset of the windows and sink tokens: chunks narrower and wider than a tile
+
+
+def _table_patterns():
+    """Every combination of the lengths, windows and sink tokens above, then the chunks with fewer of them."""
+    for (nq, nk), window, s in itertools.product(LENGTHS, WINDOWS, SINKS):
+        yield Pattern.make(nq, nk, window=window, sink_tokens=s)
+    for (nq, nk), window, s, c in itertools.product(LENGTHS, WINDOWS[:5], [0, 4], CHUNKS):
+        yield Pattern.make(nq, nk, window=window, sink_tokens=s, chunk=c)
 
 
 @triton.jit
-def _mask_kernel(Mask, nq, nk, left, right, sink_tokens, ROWS: tl.constexpr, COLS: tl.constexpr, MASK: tl.constexpr):
+def _mask_kernel(Mask, nq, nk, left, right, sink_tokens, chunk, ROWS: tl.constexpr, COLS: tl.constexpr,
+                 MASK: tl.constexpr):
     """Mask: (ROWS, COLS) int8, written with the Triton rule for every (row, key) pair."""
     rows = tl.arange(0, ROWS)[:, None]
     cols = tl.arange(0, COLS)[None, :]
-    ok = visible(rule(nq, nk, left, right, sink_tokens, MASK), rows, cols)
+    ok = visible(rule(nq, nk, left, right, sink_tokens, chunk, MASK), rows, cols)
     tl.store(Mask + rows * COLS + cols, ok.to(tl.int8))
 
 
 def _random_patterns(n, seed=0):
     """``n`` patterns as a kernel gets them: odd and unequal lengths, each bound on or off (narrower and
-    wider than the lengths), sink tokens inside and beyond the window, or past the keys."""
+    wider than the lengths), sink tokens inside and beyond the window, or past the keys, chunks or none."""
     rng = random.Random(seed)
     for _ in range(n):
         nq, nk = rng.randint(1, 100), rng.randint(1, 100)
         left = rng.choice([-1, 0, rng.randint(1, 8), rng.randint(1, 120)])
         right = rng.choice([-1, 0, rng.randint(1, 8), rng.randint(1, 120)])
         sink_tokens = rng.choice([0, 1, rng.randint(1, 20), rng.randint(1, 130)])
-        yield Pattern(nq, nk, left, right, sink_tokens)
+        chunk = rng.choice([0, 0, 1, rng.randint(2, 12), rng.randint(13, 120)])
+        yield Pattern.make(nq, nk, window=(left, right), sink_tokens=sink_tokens, chunk=chunk)
 
 
 def test_kernel_rule_equals_the_pattern_rule(device):
@@ -45,18 +56,18 @@ def test_kernel_rule_equals_the_pattern_rule(device):
     rows, cols = 128, 128
     for p in _random_patterns(300):
         got = torch.full((rows, cols), -1, dtype=torch.int8, device=device)
-        _mask_kernel[(1,)](got, p.nq, p.nk, p.left, p.right, p.sink_tokens, ROWS=rows, COLS=cols,
-                           MASK=Mask(p.left >= 0, p.right >= 0, p.sink_tokens > 0))
+        _mask_kernel[(1,)](got, p.nq, p.nk, p.left, p.right, p.sink_tokens, p.chunk, ROWS=rows, COLS=cols,
+                           MASK=mask(p))
         want = p.visible(torch.arange(p.nq)[:, None], torch.arange(cols)[None, :])
         assert torch.equal(got[:p.nq].bool().cpu(), want), p
 
 
 @triton.jit
-def _ranges_kernel(KV, QT, Walk, nq, nk, left, right, sink_tokens, n_q_tiles, n_kv_tiles, max_steps,
+def _ranges_kernel(KV, QT, Walk, nq, nk, left, right, sink_tokens, chunk, n_q_tiles, n_kv_tiles, max_steps,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr):
     """KV: (n_q_tiles, 5) and QT: (n_kv_tiles, 4) int32, written with every tile's blocks and Q tiles; Walk:
     (n_q_tiles, 3 + max_steps) int32, each Q tile's walk by step: its step bounds, then the block of each step."""
-    r = rule(nq, nk, left, right, sink_tokens, MASK)
+    r = rule(nq, nk, left, right, sink_tokens, chunk, MASK)
     for t in range(0, n_q_tiles):
         b = kv_blocks(r, t * BLOCK_M, BLOCK_M, BLOCK_N)
         tl.store(KV + t * 5, b.sink_end)
@@ -82,14 +93,14 @@ def _ranges_kernel(KV, QT, Walk, nq, nk, left, right, sink_tokens, n_q_tiles, n_
 @pytest.mark.parametrize("bm,bn", [(16, 16), pytest.param(16, 32, marks=pytest.mark.slow),
                                    pytest.param(32, 16, marks=pytest.mark.slow)])
 def test_kernel_ranges_equal_the_pattern_tables(bm, bn, device):
-    for (nq, nk), window, s in itertools.product(LENGTHS, WINDOWS, SINKS):
-        p = Pattern.make(nq, nk, window=window, sink_tokens=s)
+    for p in _table_patterns():
+        nq, nk = p.nq, p.nk
         kv = torch.full((triton.cdiv(nq, bm), 5), -7, dtype=torch.int32, device=device)
         qt = torch.full((triton.cdiv(nk, bn), 4), -7, dtype=torch.int32, device=device)
         most = triton.cdiv(nk, bn)
         walk = torch.full((kv.shape[0], 3 + most), -7, dtype=torch.int32, device=device)
-        _ranges_kernel[(1,)](kv, qt, walk, nq, nk, p.left, p.right, p.sink_tokens, kv.shape[0], qt.shape[0], most,
-                             BLOCK_M=bm, BLOCK_N=bn, MASK=Mask(p.left >= 0, p.right >= 0, p.sink_tokens > 0))
+        _ranges_kernel[(1,)](kv, qt, walk, nq, nk, p.left, p.right, p.sink_tokens, p.chunk, kv.shape[0], qt.shape[0],
+                             most, BLOCK_M=bm, BLOCK_N=bn, MASK=mask(p))
         table = kv_block_table(p, bm, bn).tolist()
         assert kv.tolist() == table, (p, bm, bn)
         assert qt.tolist() == q_block_table(p, bm, bn).tolist(), (p, bm, bn)

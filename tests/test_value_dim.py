@@ -217,9 +217,9 @@ def _op_cases(device, backend):
     total = sum(lengths)
     packed = (torch.randn(total, 4, 24, device=device), torch.randn(total, 2, 24, device=device),
               torch.randn(total, 2, 40, device=device), s, cu, cu)
-    options = (0.3, backend, True)  # scale, backend, deterministic; the pattern's fields before them
-    return [((q, k, v, s, None, None), ([29, 29, 5, 0, 2], *options)),
-            (packed, ([max(lengths), max(lengths), 5, 0, 2], *options))]
+    options = (0.3, 1.5, backend, True)  # scale, softcap, backend, deterministic; the pattern's fields before them
+    return [((q, k, v, s, None, None), ([29, 29, 5, 0, 2, 7], *options)),
+            (packed, ([max(lengths), max(lengths), 5, 0, 2, 7], *options))]
 
 
 def test_fake_outputs_match_real(device):

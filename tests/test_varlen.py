@@ -101,6 +101,8 @@ PATTERNS = {
     "window_sink_tokens": dict(window=(3, 0), sink_tokens=2),  # windows and sink tokens at document edges
     "window_both_sides": dict(window=(2, 1), sink_tokens=1),
     "causal_window": dict(causal=True, window=(4, 9)),
+    "causal_chunk": dict(causal=True, chunk=6),  # chunks count from each document's start
+    "softcap_chunk_window": dict(softcap=1.5, chunk=5, window=(3, 0), sink_tokens=1, scale=0.9),
 }
 
 
@@ -413,6 +415,7 @@ def _check_within_bar(lengths, Hq, Hkv, D, dtype, device, backend, **kw):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_torch_path_low_precision_within_bar(dtype):
     _check_within_bar([17, 1, 0, 40, 5], 4, 2, 16, dtype, "cpu", "torch", window=(7, 0), sink_tokens=2)
+    _check_within_bar([17, 1, 0, 40, 5], 4, 2, 16, dtype, "cpu", "torch", causal=True, chunk=8, softcap=2.0)
 
 
 @pytest.mark.gpu

@@ -11,13 +11,13 @@ import torch
 
 from . import checks, fp8, ops
 from .checks import check_cu_seqlens_values  # public: gstar.check_cu_seqlens_values
-from .pattern import Pattern
 
 __all__ = ["check_cu_seqlens_values", "flash_attention", "flash_attention_varlen", "normalize", "normalize_varlen",
            "tiled_attention"]
 
 
-def normalize(q, k, v, *, causal, window, sink_tokens, sinks, scale, backend, return_lse) -> ops.Options:
+def normalize(q, k, v, *, causal, window, sink_tokens, sinks, scale, backend, return_lse, softcap=0.0,
+              chunk=0) -> ops.Options:
     """Validate every argument of :func:`flash_attention` (docs/design.md section 2)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         checks.check_tensor(name, t, 4)
@@ -27,16 +27,15 @@ def normalize(q, k, v, *, causal, window, sink_tokens, sinks, scale, backend, re
     if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
         raise ValueError(f"k and v must have the same (heads, seqlen): k {tuple(k.shape)}, v {tuple(v.shape)}")
     Hq, D = checks.check_group(q, k, v)
-    window, sink_tokens, scale, backend = checks.check_options(
+    kw = checks.check_options(
         q, Hq, D, v.shape[-1], causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks, scale=scale,
-        backend=backend, return_lse=return_lse)
-    pattern = Pattern.make(q.shape[2], k.shape[2], causal=causal, window=window, sink_tokens=sink_tokens)
-    return ops.Options(pattern, scale, backend)
+        backend=backend, return_lse=return_lse, softcap=softcap, chunk=chunk)
+    return ops.Options(kw.pattern(q.shape[2], k.shape[2]), kw.scale, kw.backend, softcap=kw.softcap)
 
 
 def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, sinks=None, scale=None,
-                    return_lse=False, backend="auto", q_descale=None, k_descale=None, v_descale=None,
-                    out_dtype=None, deterministic=True):
+                    softcap=0.0, chunk=0, return_lse=False, backend="auto", q_descale=None, k_descale=None,
+                    v_descale=None, out_dtype=None, deterministic=True):
     """Exact attention, memory-efficient, differentiable in q, k, v, sinks and the returned LSE.
 
     Args:
@@ -48,10 +47,16 @@ def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
             (bottom-right alignment): it sets the window's right bound to 0.
         window: ``(left, right)``, inclusive, ``-1`` = unbounded: ``p(i) - left <= j <= p(i) + right``.
             Hugging Face ``sliding_window=W`` is ``window=(W - 1, 0)``.
-        sink_tokens: the first ``S`` keys ignore the window's left bound (StreamingLLM).
+        sink_tokens: the first ``S`` keys ignore the left bounds, the window's and the chunk's (StreamingLLM).
+        chunk: chunked local attention (Llama 4's ``attention_chunk_size``), ``0`` = none: key ``j`` visible
+            only if ``j // chunk == p(i) // chunk``, the query's own chunk of positions, with every other
+            condition still applying (a causal chunked layer: ``causal=True, chunk=C``).
         sinks: ``(Hq,)`` learned sink logits (GPT-OSS ``s_aux``), any float dtype, added to each row's
             softmax denominator as ``exp(sinks[h])`` (not scaled). Gradients flow to them, in their dtype.
         scale: multiplies ``q . k``; default ``D ** -0.5``.
+        softcap: logit soft-capping (Gemma 2's ``attn_logit_softcapping``), ``0.0`` = none: the scores
+            ``s = scale * q . k`` become ``softcap * tanh(s / softcap)`` before the mask and the softmax;
+            gradients carry tanh's derivative. Learned sinks are not capped.
         return_lse: also return the natural-log logsumexp of each row, ``(B, Hq, Nq)`` float32, sink term
             included; ``-inf`` (or ``sinks[h]``) for rows that see no key.
         backend: ``"auto"`` (Triton on CUDA, tiled PyTorch on CPU), ``"triton"`` or ``"torch"``.
@@ -69,19 +74,20 @@ def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
             order; with ``False`` in any order, slightly faster, so dQ's last bits vary between runs (within
             the same accuracy bar). Everywhere else the flag changes nothing.
 
-    Nq = 3, Nk = 5, ``causal=True`` (``1`` = visible), and with ``window=(1, 0), sink_tokens=1``::
+    Nq = 3, Nk = 5, ``causal=True`` (``1`` = visible), with ``window=(1, 0), sink_tokens=1``, and with
+    ``chunk=2`` (chunks of positions 0-1, 2-3, 4)::
 
-        causal       window (1, 0) + 1 sink token
-        1 1 1 . .    1 1 1 . .
-        1 1 1 1 .    1 . 1 1 .
-        1 1 1 1 1    1 . . 1 1
+        causal       window (1, 0) + 1 sink token    chunk 2
+        1 1 1 . .    1 1 1 . .                       . . 1 . .
+        1 1 1 1 .    1 . 1 1 .                       . . 1 1 .
+        1 1 1 1 1    1 . . 1 1                       . . . . 1
 
     Rows with no visible key return zeros. Returns ``out`` ``(B, Hq, Nq, Dv)`` in q's dtype and memory
     layout, or ``(out, lse)`` with ``return_lse=True``. Bad arguments raise ``ValueError`` or ``TypeError``
     naming the argument.
     """
     options = normalize(q, k, v, causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks,
-                        scale=scale, backend=backend, return_lse=return_lse)
+                        scale=scale, backend=backend, return_lse=return_lse, softcap=softcap, chunk=chunk)
     checks.check_bool("deterministic", deterministic)
     options = options._replace(deterministic=deterministic)
     quantized = fp8.check(q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
@@ -95,18 +101,19 @@ def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
 
 
 def tiled_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, sinks=None, scale=None,
-                    return_lse=False):
+                    softcap=0.0, chunk=0, return_lse=False):
     """FlashAttention in plain PyTorch: ``flash_attention(..., backend="torch")``.
 
     Same arguments, shapes, rule and autograd as :func:`flash_attention`, on any device; also accepts
     float64 (for ``torch.autograd.gradcheck``). Never builds an Nq x Nk matrix: peak memory is linear in N.
     """
     return flash_attention(q, k, v, causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks,
-                           scale=scale, return_lse=return_lse, backend="torch")
+                           scale=scale, softcap=softcap, chunk=chunk, return_lse=return_lse, backend="torch")
 
 
 def normalize_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, window,
-                     sink_tokens, sinks, scale, backend, return_lse, check_cu_seqlens) -> ops.Options:
+                     sink_tokens, sinks, scale, backend, return_lse, check_cu_seqlens, softcap=0.0,
+                     chunk=0) -> ops.Options:
     """Validate every argument of :func:`flash_attention_varlen`.
 
     Returns the options with the pattern built on the longest lengths. The values of
@@ -131,21 +138,20 @@ def normalize_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             raise ValueError(f"{name} must be >= 0, got {m}")
         if m > checks.MAX_SEQLEN:
             raise ValueError(f"{name} must be <= {checks.MAX_SEQLEN} (positions are int32 in the kernels), got {m}")
-    window, sink_tokens, scale, backend = checks.check_options(
+    kw = checks.check_options(
         q, Hq, D, v.shape[-1], causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks, scale=scale,
-        backend=backend, return_lse=return_lse)
+        backend=backend, return_lse=return_lse, softcap=softcap, chunk=chunk)
     checks.check_bool("check_cu_seqlens", check_cu_seqlens)
     if check_cu_seqlens and not (torch.compiler.is_compiling() or checks.capturing(q.device)):
         checks.check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     lengths = [m if isinstance(m, torch.SymInt) else int(m) for m in (max_seqlen_q, max_seqlen_k)]
-    pattern = Pattern.make(*lengths, causal=causal, window=window, sink_tokens=sink_tokens)
-    return ops.Options(pattern, scale, backend)
+    return ops.Options(kw.pattern(*lengths), kw.scale, kw.backend, softcap=kw.softcap)
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                           window=(-1, -1), sink_tokens=0, sinks=None, scale=None, return_lse=False,
-                           backend="auto", check_cu_seqlens=True, q_descale=None, k_descale=None, v_descale=None,
-                           out_dtype=None):
+                           window=(-1, -1), sink_tokens=0, sinks=None, scale=None, softcap=0.0, chunk=0,
+                           return_lse=False, backend="auto", check_cu_seqlens=True, q_descale=None,
+                           k_descale=None, v_descale=None, out_dtype=None):
     """Attention over packed variable-length sequences (the flash-attn varlen convention).
 
     Sequence ``s`` is query rows ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]`` of ``q`` and key rows
@@ -157,7 +163,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
         causal:        j <= p(i)
         window (l, r): p(i) - l <= j <= p(i) + r      (causal forces r = 0; -1 = unbounded)
-        sink_tokens S: j < S lifts the left bound only
+        sink_tokens S: j < S lifts the left bounds only (the window's, the chunk's)
+        chunk C:       j // C == p(i) // C
 
     Packed rows and keys for ``cu_seqlens_q = cu_seqlens_k = [0, 3, 5]``, ``causal=True`` (``1`` = visible)::
 
@@ -174,7 +181,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         cu_seqlens_q, cu_seqlens_k: ``(num_seqs + 1,)`` int32 on q's device: 0 first, non-decreasing,
             ``total_q`` / ``total_k`` last. Zero-length sequences are allowed.
         max_seqlen_q, max_seqlen_k: ints at least the longest query / key sequence.
-        causal, window, sink_tokens, sinks, scale, backend: as in :func:`flash_attention`; ``sinks`` is
+        causal, window, sink_tokens, chunk, sinks, scale, softcap, backend: as in :func:`flash_attention`
+            (positions and chunks count from each sequence's start); ``sinks`` is
             ``(Hq,)`` and joins every row's softmax denominator in every sequence.
         return_lse: also return the LSE as ``(Hq, total_q)`` float32 (heads first, flash-attn's varlen
             convention, not ``(total_q, Hq)``); ``-inf`` (or ``sinks[h]``) for rows that see no key.
@@ -195,7 +203,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     options = normalize_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, window=window,
         sink_tokens=sink_tokens, sinks=sinks, scale=scale, backend=backend, return_lse=return_lse,
-        check_cu_seqlens=check_cu_seqlens)
+        check_cu_seqlens=check_cu_seqlens, softcap=softcap, chunk=chunk)
     quantized = fp8.check(q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                           out_dtype=out_dtype, sinks=sinks, scale=options.scale, batch=cu_seqlens_q.shape[0] - 1,
                           kv_heads=k.shape[1], backend=options.backend)

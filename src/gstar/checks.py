@@ -11,8 +11,11 @@ import importlib.metadata
 import math
 import numbers
 import os
+from typing import NamedTuple
 
 import torch
+
+from .pattern import Pattern
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _BACKENDS = ("auto", "triton", "torch")
@@ -116,11 +119,34 @@ def check_group(q, k, v, fp8_cache: bool = False, names: tuple[str, str, str] = 
     return Hq, D
 
 
-def check_options(q, Hq: int, D: int, Dv: int, *, causal, window, sink_tokens, sinks, scale, backend, return_lse):
-    """Validate the keyword arguments every entry point shares.
+class Keywords(NamedTuple):
+    """The keyword arguments every entry point shares, validated and normalised (:func:`check_options`)."""
 
-    Returns ``(window, sink_tokens, scale, backend)`` as plain ints, a float and a resolved backend name.
-    """
+    causal: bool
+    window: tuple[int, int]  # (left, right), -1 = unbounded, clamped to FAR
+    sink_tokens: int
+    chunk: int               # 0 = none
+    scale: float
+    softcap: float           # 0.0 = none
+    backend: str             # "triton" or "torch"
+
+    def pattern(self, nq, nk) -> Pattern:
+        """The rule over ``nq`` queries and ``nk`` keys."""
+        return Pattern.make(nq, nk, causal=self.causal, window=self.window, sink_tokens=self.sink_tokens,
+                            chunk=self.chunk)
+
+
+def _check_int(name: str, x, least: int) -> int:
+    if not isinstance(x, numbers.Integral) or isinstance(x, bool):
+        raise TypeError(f"{name} must be an int, got {type_name(x)}")
+    if x < least:
+        raise ValueError(f"{name} must be >= {least}, got {x}")
+    return int(x)
+
+
+def check_options(q, Hq: int, D: int, Dv: int, *, causal, window, sink_tokens, sinks, scale, backend, return_lse,
+                  softcap=0.0, chunk=0) -> Keywords:
+    """Validate the keyword arguments every entry point shares; returns them as :class:`Keywords`."""
     backend = resolve_backend(backend, q.device, q.dtype)
     if backend == "triton":
         for name, d in (("q", D), ("v", Dv)):
@@ -134,10 +160,8 @@ def check_options(q, Hq: int, D: int, Dv: int, *, causal, window, sink_tokens, s
         raise TypeError(f"window must be a (left, right) pair of ints, got {window!r}")
     if any(w < -1 for w in window):
         raise ValueError(f"window bounds must be >= 0 or -1 (unbounded), got {tuple(window)}")
-    if not isinstance(sink_tokens, numbers.Integral) or isinstance(sink_tokens, bool):
-        raise TypeError(f"sink_tokens must be an int, got {type_name(sink_tokens)}")
-    if sink_tokens < 0:
-        raise ValueError(f"sink_tokens must be >= 0, got {sink_tokens}")
+    sink_tokens = _check_int("sink_tokens", sink_tokens, 0)
+    chunk = min(_check_int("chunk", chunk, 0), FAR)  # a chunk past every sequence hides nothing
     if sinks is not None:
         check_tensor("sinks", sinks, 1)
         if sinks.shape[0] != Hq:
@@ -150,7 +174,15 @@ def check_options(q, Hq: int, D: int, Dv: int, *, causal, window, sink_tokens, s
         scale = D ** -0.5
     elif not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not _finite(scale):
         raise TypeError(f"scale must be a finite float or None, got {scale!r}")
-    return (min(int(window[0]), FAR), min(int(window[1]), FAR)), int(sink_tokens), float(scale), backend
+    if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool):
+        raise TypeError(f"softcap must be a float (0.0: none), got {type_name(softcap)}")
+    if not 0 <= softcap < math.inf:  # NaN fails too (comparisons: a traced value may be symbolic)
+        raise ValueError(f"softcap must be a finite float >= 0 (0.0: none), got {softcap!r}")
+    scale = float(scale)
+    if softcap and not abs(scale / softcap) < math.inf:
+        raise ValueError(f"softcap = {softcap!r} is too small for scale {scale!r}: scale / softcap overflows")
+    return Keywords(causal, (min(int(window[0]), FAR), min(int(window[1]), FAR)), sink_tokens, chunk, scale,
+                    float(softcap), backend)
 
 
 def _finite(x: numbers.Real) -> bool:

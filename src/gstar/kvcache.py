@@ -158,7 +158,7 @@ def append(cache: Cache, k, v, cache_seqlens) -> None:
             store.permute(0, 2, 1, 3)[batch, pos] = rows
 
 
-def _torch_path(q, cache: Cache, lengths: list[int], sinks, pattern: Pattern, scale, descale, out_dtype):
+def _torch_path(q, cache: Cache, lengths: list[int], sinks, pattern: Pattern, scale, softcap, descale, out_dtype):
     """Per sequence: gather the keys it sees and run the tiled PyTorch forward (an FP8 cache dequantised)."""
     outs, lses = [], []
     for b, nk in enumerate(lengths):
@@ -168,15 +168,16 @@ def _torch_path(q, cache: Cache, lengths: list[int], sinks, pattern: Pattern, sc
         if descale is not None:  # the dequantised inputs in the output's dtype (a 16-bit q: no descale)
             qkv = (fp8.dequantize(t, None if d is None else d[b:b + 1], None, out_dtype)
                    for t, d in zip(qkv, descale))
-        out, lse = ops.run_forward(ops.Inputs(*qkv, sinks, None, None), ops.Options(at, scale, "torch"))
+        out, lse = ops.run_forward(ops.Inputs(*qkv, sinks, None, None), ops.Options(at, scale, "torch",
+                                                                                     softcap=softcap))
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
 
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None, block_table=None,
-                                 causal=True, window=(-1, -1), sink_tokens=0, sinks=None, scale=None,
-                                 return_lse=False, num_splits=None, backend="auto", check_values=True,
+                                 causal=True, window=(-1, -1), sink_tokens=0, sinks=None, scale=None, softcap=0.0,
+                                 chunk=0, return_lse=False, num_splits=None, backend="auto", check_values=True,
                                  q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
     """Attention of ``Nq`` new queries against a key/value cache, appending their keys and values first if
     given. Forward only (inference).
@@ -193,7 +194,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_s
             position ``cache_seqlens[b] + i`` when appending, else ``cache_seqlens[b] - Nq + i``.
         block_table: ``(B, max_blocks)`` int32: page of each block of each sequence (paged cache; block size
             a multiple of 16). Entries of blocks no query sees are never read.
-        causal, window, sink_tokens, sinks, scale: as in :func:`gstar.flash_attention`, on those positions.
+        causal, window, sink_tokens, chunk, sinks, scale, softcap: as in :func:`gstar.flash_attention`, on those
+            positions.
         return_lse: also return the LSE, ``(B, Hq, Nq)`` float32.
         num_splits: programs per (sequence, kv head) sharing its keys (split-KV); None picks from the card and
             the shapes (never from the lengths: no sync). The Triton backend only.
@@ -223,9 +225,9 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_s
     appending = k is not None
     cache_seqlens = _check_seqlens(q, cache, cache_seqlens, appending)
     Hq, D, Dv = q.shape[1], q.shape[3], cache.v.shape[-1]
-    window, sink_tokens, scale, backend = check_options(
-        q, Hq, D, Dv, causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks, scale=scale,
-        backend=backend, return_lse=return_lse)
+    kw = check_options(q, Hq, D, Dv, causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks, scale=scale,
+                       backend=backend, return_lse=return_lse, softcap=softcap, chunk=chunk)
+    scale, backend = kw.scale, kw.backend
     if num_splits is not None:
         if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool):
             raise TypeError(f"num_splits must be None or an int, got {type_name(num_splits)}")
@@ -233,7 +235,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_s
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     check_bool("check_values", check_values)
     Nq = q.shape[2]
-    pattern = Pattern.make(Nq, cache.capacity, causal=causal, window=window, sink_tokens=sink_tokens)
+    pattern = kw.pattern(Nq, cache.capacity)
     descale, out_dtype = fp8.check(q, cache.k, cache.v, q_descale=q_descale, k_descale=k_descale,
                                    v_descale=v_descale, out_dtype=out_dtype, sinks=sinks, scale=scale,
                                    batch=q.shape[0], kv_heads=cache.v.shape[-2 if cache.paged else 1],
@@ -243,13 +245,13 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_s
     if appending:
         append(cache, k, v, cache_seqlens)
     args = (q, cache.k, cache.v, cache.block_table, cache_seqlens, sinks, Nq if appending else 0,
-            list(pattern.fields()), scale, num_splits or 0, backend, descale, out_dtype)
+            list(pattern.fields()), scale, kw.softcap, num_splits or 0, backend, descale, out_dtype)
     out, lse = decode_op(*args) if torch.compiler.is_compiling() else _attend(*args)
     return (out, lse) if return_lse else out
 
 
-def _attend(q, k_cache, v_cache, block_table, cache_seqlens, sinks, added, pattern, scale, num_splits, backend,
-            descale, out_dtype):
+def _attend(q, k_cache, v_cache, block_table, cache_seqlens, sinks, added, pattern, scale, softcap, num_splits,
+            backend, descale, out_dtype):
     """``(out, lse)`` on validated inputs, the cache already appended to (``added`` keys this call); the
     arguments of the operator below (``pattern``: the rule at the cache's capacity, as
     :meth:`gstar.pattern.Pattern.fields`; ``num_splits`` 0: picked by the rule; ``descale``, ``out_dtype``: an
@@ -259,10 +261,10 @@ def _attend(q, k_cache, v_cache, block_table, cache_seqlens, sinks, added, patte
     if backend == "torch":
         lengths = ([n + added for n in cache_seqlens.tolist()] if cache_seqlens is not None
                    else [cache.capacity] * q.shape[0])
-        return _torch_path(q, cache, lengths, sinks, pattern, scale, descale, out_dtype)
+        return _torch_path(q, cache, lengths, sinks, pattern, scale, softcap, descale, out_dtype)
     from .kernels import decode_forward
     return decode_forward(q, cache, cache_seqlens, added, None if sinks is None else sinks.float(),
-                          pattern, scale, num_splits or None, descale, out_dtype)
+                          pattern, scale, num_splits or None, descale, out_dtype, softcap)
 
 
 # torch.compile traces this operator in place of _attend (eager calls skip the dispatcher's host time): the
@@ -270,8 +272,8 @@ def _attend(q, k_cache, v_cache, block_table, cache_seqlens, sinks, added, patte
 decode_op = torch.library.custom_op(
     "gstar::decode", _attend, mutates_args=(),
     schema="(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? block_table, Tensor? cache_seqlens, Tensor? sinks, "
-           "SymInt added, SymInt[] pattern, float scale, SymInt num_splits, str backend, Tensor?[]? descale, "
-           "ScalarType? out_dtype) -> (Tensor, Tensor)")
+           "SymInt added, SymInt[] pattern, float scale, float softcap, SymInt num_splits, str backend, "
+           "Tensor?[]? descale, ScalarType? out_dtype) -> (Tensor, Tensor)")
 
 
 @decode_op.register_fake

@@ -49,25 +49,27 @@ class Options(NamedTuple):
     scale: float
     backend: str                             # "triton" or "torch"
     deterministic: bool = True               # False: the backward may add dQ up in any order (sm_90)
+    softcap: float = 0.0                     # scores become softcap * tanh(scores / softcap); 0.0: none
 
 
 # The operators' schema takes no tuples of mixed types: the fields of Inputs, then the pattern as one list of
-# ints (Pattern.fields), the scale, the backend and the determinism flag. _op_args and _named are the only code
-# that knows these positions.
-_OPTION_ARGS = "SymInt[] pattern, float scale, str backend, bool deterministic"
+# ints (Pattern.fields), the scale, the soft-cap, the backend and the determinism flag. _op_args and _named are
+# the only code that knows these positions.
+_OPTION_ARGS = "SymInt[] pattern, float scale, float softcap, str backend, bool deterministic"
 _ARGS = f"Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, {_OPTION_ARGS}"
 
 
 def _op_args(inputs: Inputs, options: Options) -> tuple:
     """Names to the operators' positional arguments."""
-    return (*inputs, list(options.pattern.fields()), options.scale, options.backend, options.deterministic)
+    return (*inputs, list(options.pattern.fields()), options.scale, options.softcap, options.backend,
+            options.deterministic)
 
 
 def _named(args: tuple) -> tuple[Inputs, Options]:
     """The operators' positional arguments to names (the inverse of :func:`_op_args`)."""
-    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, pattern, scale, backend, deterministic = args
+    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, pattern, scale, softcap, backend, deterministic = args
     return (Inputs(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k),
-            Options(Pattern.from_fields(pattern), scale, backend, deterministic))
+            Options(Pattern.from_fields(pattern), scale, backend, deterministic, softcap))
 
 
 @functools.cache  # imported on first use (the kernels import triton), then looked up for free
@@ -133,7 +135,7 @@ def run_forward(inputs: Inputs, options: Options, descale: tuple | None = None,
     else:
         forward_fn, _ = _backend_fns(options.backend)
         out, lse = forward_fn(q, k, v, _stat_sinks(sinks, q), options.pattern, options.scale,
-                              cu_seqlens=(cu_q, cu_k) if packed else None, **fp8_kernel)
+                              softcap=options.softcap, cu_seqlens=(cu_q, cu_k) if packed else None, **fp8_kernel)
     return (_packed(out), lse[0]) if packed else (out, lse)
 
 
@@ -149,8 +151,8 @@ def run_backward(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dlse:
         lse, dlse = lse[None], None if dlse is None else dlse[None]                   # (1, Hq, total_q)
     _, backward_fn = _backend_fns(options.backend)
     dq, dk, dv, dsinks = backward_fn(dout, q, k, v, out, lse, dlse, _stat_sinks(sinks, q), options.pattern,
-                                     options.scale, cu_seqlens=(cu_q, cu_k) if packed else None,
-                                     deterministic=options.deterministic)
+                                     options.scale, softcap=options.softcap,
+                                     cu_seqlens=(cu_q, cu_k) if packed else None, deterministic=options.deterministic)
     if packed:
         dq, dk, dv = (_packed(g) for g in (dq, dk, dv))
     return dq, dk, dv, dsinks

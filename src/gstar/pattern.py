@@ -5,6 +5,9 @@ module which keys a query sees. The rule, with ``p(i) = i + (Nk - Nq)`` (bottom-
 
     visible(i, j) =  [right < 0  or  j <= p(i) + right]
                  and [left  < 0  or  j >= p(i) - left  or  j < sink_tokens]
+                 and [chunk = 0  or  p(i) >= 0  and  j < end(p(i))  and  (j >= start(p(i))  or  j < sink_tokens)]
+
+with ``start(p) = p // chunk * chunk`` and ``end(p) = start(p) + chunk``: the query's own chunk of keys.
 
 ``causal=True`` is ``right = 0``. Drawn for Nq = 4, Nk = 6 (offset 2), window (2, 0), one sink token::
 
@@ -52,7 +55,9 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class Pattern:
-    """A normalised attention pattern: lengths plus the window bounds (``-1`` = unbounded).
+    """A normalised attention pattern: lengths plus the window bounds (``-1`` = unbounded) and the chunk
+    (Llama 4's chunked attention, ``0`` = none: a query sees only keys of its own chunk of ``chunk``
+    positions, both bounds of which are left and right bounds like the window's).
 
     Build it with :meth:`Pattern.make`, which applies the normalisations of docs/design.md section 1
     (``causal`` forces ``right = 0``; sink tokens only matter under a left bound).
@@ -63,16 +68,17 @@ class Pattern:
     left: int = -1
     right: int = -1
     sink_tokens: int = 0
+    chunk: int = 0
 
     @staticmethod
     def make(nq: int, nk: int, *, causal: bool = False, window: tuple[int, int] = (-1, -1),
-             sink_tokens: int = 0) -> "Pattern":
+             sink_tokens: int = 0, chunk: int = 0) -> "Pattern":
         left, right = window
         if causal:
             right = 0
-        if left < 0:
+        if left < 0 and chunk == 0:
             sink_tokens = 0  # without a left bound every key below p(i) + right is visible anyway
-        return Pattern(nq, nk, left, right, min(sink_tokens, nk))
+        return Pattern(nq, nk, left, right, min(sink_tokens, nk), chunk)
 
     def fields(self) -> tuple[int, ...]:
         """The pattern as plain ints, in field order: how operator schemas carry it (:meth:`from_fields`)."""
@@ -83,9 +89,13 @@ class Pattern:
         """The pattern whose :meth:`fields` these are."""
         return Pattern(*fields)
 
+    def resized(self, nq: int, nk: int) -> "Pattern":
+        """The same rule over ``nq`` queries and ``nk`` keys (one packed sequence of a batch's longest)."""
+        return Pattern.make(nq, nk, window=(self.left, self.right), sink_tokens=self.sink_tokens, chunk=self.chunk)
+
     def at(self, nk: int) -> "Pattern":
         """The same rule over ``nk`` keys (a decode step's sequences share every field but their length)."""
-        return Pattern.make(self.nq, nk, window=(self.left, self.right), sink_tokens=self.sink_tokens)
+        return self.resized(self.nq, nk)
 
     @property
     def offset(self) -> int:
@@ -103,6 +113,9 @@ class Pattern:
             ok = ok & (cols <= pos + self.right)
         if self.left >= 0:
             ok = ok & ((cols >= pos - self.left) | (cols < self.sink_tokens))
+        if self.chunk > 0:  # the query's own chunk (a row before the keys, p(i) < 0, has none)
+            start = pos // self.chunk * self.chunk
+            ok = ok & (pos >= 0) & (cols < start + self.chunk) & ((cols >= start) | (cols < self.sink_tokens))
         return ok
 
     def mask(self, device=None, nk=None) -> torch.Tensor:
@@ -131,7 +144,19 @@ class Pattern:
         pmin, pmax = row_start + self.offset, row_end - 1 + self.offset
         lo = max(0, pmin - self.left) if self.left >= 0 else 0
         hi = min(self.nk, pmax + self.right + 1) if self.right >= 0 else self.nk
+        if self.chunk > 0:  # the chunks of the first and the last row
+            lo, hi = max(lo, self.chunk_start(pmin)), min(hi, self.chunk_start(pmax) + self.chunk)
         return min(lo, self.nk), max(hi, 0)
+
+    def chunk_start(self, pos: int) -> int:
+        """The first position of the chunk holding position ``pos`` (floored: a negative position's chunk lies
+        before the keys)."""
+        return pos // self.chunk * self.chunk
+
+    @property
+    def has_left(self) -> bool:
+        """Whether some bound hides keys on the left (a window's, or the chunk's start): sink tokens escape it."""
+        return self.left >= 0 or self.chunk > 0
 
 
 # Column meaning of the tables below; the kernels index them by these positions.
@@ -161,6 +186,9 @@ def kv_blocks(pattern: Pattern, row_start: int, block_m: int, block_n: int) -> t
     full_end = min(band_end, p.nk // block_n)
     if p.right >= 0:
         full_end = min(full_end, (pmin + p.right + 1) // block_n)
+    if p.chunk > 0:  # keys every row's chunk holds: from the last row's chunk start to the first row's chunk end
+        full_start = max(full_start, cdiv(p.chunk_start(pmax), block_n))
+        full_end = min(full_end, (p.chunk_start(pmin) + p.chunk) // block_n)
     if full_end <= full_start:
         full_start = full_end = band_end
     return sink_end, band_start, full_start, full_end, band_end
@@ -176,8 +204,14 @@ def q_blocks(pattern: Pattern, key_start: int, block_m: int, block_n: int) -> tu
     key_end = min(key_start + block_n, p.nk)
     off = p.offset
     rmin = max(0, key_start - p.right - off) if p.right >= 0 else 0  # first row whose right bound reaches
-    has_left = p.left >= 0 and key_start >= p.sink_tokens          # a sink key is seen by every later row
-    rmax = min(p.nq, key_end - 1 + p.left - off + 1) if has_left else p.nq
+    rmax = p.nq
+    if key_start >= p.sink_tokens:  # a sink key escapes every left bound: every later row sees it
+        if p.left >= 0:
+            rmax = min(rmax, key_end - 1 + p.left - off + 1)
+        if p.chunk > 0:  # rows past the chunk of the block's last key
+            rmax = min(rmax, p.chunk_start(key_end - 1) + p.chunk - off)
+    if p.chunk > 0:  # rows before the chunk of the block's first key
+        rmin = max(rmin, p.chunk_start(key_start) - off)
     if rmax <= rmin:
         return 0, 0, 0, 0
     start, end = rmin // block_m, cdiv(rmax, block_m)
@@ -185,9 +219,14 @@ def q_blocks(pattern: Pattern, key_start: int, block_m: int, block_n: int) -> tu
     if p.right >= 0:
         full_start = max(start, cdiv(key_end - 1 - p.right - off, block_m))
     full_end = min(end, p.nq // block_m)
-    if p.left >= 0 and key_end > p.sink_tokens:
-        first_plain_key = max(key_start, p.sink_tokens)  # smallest key that needs the left bound
-        full_end = min(full_end, (first_plain_key + p.left - off + 1) // block_m)
+    if p.chunk > 0:  # rows whose chunk ends past the block
+        full_start = max(full_start, cdiv(p.chunk_start(key_end - 1) - off, block_m))
+    if p.has_left and key_end > p.sink_tokens:
+        first_plain_key = max(key_start, p.sink_tokens)  # smallest key that needs the left bounds
+        if p.left >= 0:
+            full_end = min(full_end, (first_plain_key + p.left - off + 1) // block_m)
+        if p.chunk > 0:  # rows whose chunk starts at or before it
+            full_end = min(full_end, max(p.chunk_start(first_plain_key) + p.chunk - off, 0) // block_m)
     if key_end - key_start < block_n or full_end <= full_start:
         full_start = full_end = end
     return start, full_start, full_end, end

@@ -17,15 +17,18 @@ from .buffers import empty_packed_like, layout_like
 from .pattern import Pattern, capped_sinks, kv_block_table
 
 
-def naive_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, sinks=None, scale=None):
+def naive_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, sinks=None, scale=None, softcap=0.0,
+                    chunk=0):
     """Attention by the definition of docs/design.md section 1, through the whole ``(Nq, Nk)`` score matrix:
     the oracle. Returns ``(out, lse)``.
 
     q: (B, Hq, Nq, D), k: (B, Hkv, Nk, D), v: (B, Hkv, Nk, Dv) with ``Hq % Hkv == 0``; sinks: (Hq,) or None.
     The keywords mean what they mean in :func:`gstar.flash_attention`: query ``i`` sits at
     ``p(i) = i + Nk - Nq`` and sees key ``j`` when ``j <= p(i)`` (causal), ``p(i) - left <= j <= p(i) + right``
-    (window, ``-1`` unbounded) with ``j < sink_tokens`` exempt from the left bound; ``sinks`` join every
-    row's softmax denominator (clamped to +-:data:`gstar.pattern.SINK_LIMIT`); scale defaults to ``D ** -0.5``.
+    (window, ``-1`` unbounded) and ``j // chunk == p(i) // chunk`` (chunk, ``0`` none) with ``j < sink_tokens``
+    exempt from the left bounds; the scores ``s = scale * q . k`` become ``softcap * tanh(s / softcap)`` (softcap,
+    ``0.0`` none); ``sinks`` join every row's softmax denominator (clamped to +-:data:`gstar.pattern.SINK_LIMIT`);
+    scale defaults to ``D ** -0.5``.
 
     Matmuls run in the input dtype (this is "PyTorch's own error" of the correctness bar), softmax
     statistics in float32 (float64 for float64 inputs). out: (B, Hq, Nq, Dv) in the input dtype, zeros
@@ -36,10 +39,12 @@ def naive_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
     Hkv, Nk = k.shape[1], k.shape[2]
     scale = D ** -0.5 if scale is None else scale
     stat = torch.promote_types(q.dtype, torch.float32)
-    visible = Pattern.make(Nq, Nk, causal=causal, window=window, sink_tokens=sink_tokens).mask(q.device)
+    visible = Pattern.make(Nq, Nk, causal=causal, window=window, sink_tokens=sink_tokens, chunk=chunk).mask(q.device)
     k = k.repeat_interleave(Hq // Hkv, dim=1)                          # (B, Hq, Nk, D)
     v = v.repeat_interleave(Hq // Hkv, dim=1)                          # (B, Hq, Nk, Dv)
     s = (q @ k.transpose(-1, -2)).to(stat) * scale                     # (B, Hq, Nq, Nk)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~visible, -math.inf)
     if sinks is not None:
         sink_col = capped_sinks(sinks.to(stat)).view(1, Hq, 1, 1).expand(B, Hq, Nq, 1)
@@ -72,18 +77,23 @@ def _tiles(pattern: Pattern, tile: int):
         yield t * tile, blocks
 
 
-def _scores(pattern, q_t, k, r0, b, masked, scale, tile):
-    """Scaled scores of one (Q tile, KV block) pair, -inf where the rule hides a key.
+def _scores(pattern, q_t, k, r0, b, masked, scale, softcap, tile):
+    """Scores of one (Q tile, KV block) pair, scaled and soft-capped, -inf where the rule hides a key.
 
-    q_t: (B, Hkv, G, bm, D) in the statistics dtype; returns (B, Hkv, G, bm, bn) and the key slice.
+    q_t: (B, Hkv, G, bm, D) in the statistics dtype; returns the scores (B, Hkv, G, bm, bn), the key slice, and
+    the soft-cap's derivative ``1 - tanh^2`` beside the scores (None without one).
     """
     keys = slice(b * tile, min((b + 1) * tile, pattern.nk))
     s = q_t @ k[:, :, None, keys].to(q_t.dtype).transpose(-1, -2) * scale   # (B, Hkv, G, bm, bn)
+    slope = None
+    if softcap:
+        t = torch.tanh(s / softcap)
+        s, slope = softcap * t, 1 - t * t
     if masked:
         rows = torch.arange(r0, r0 + q_t.shape[3], device=q_t.device)[:, None]
         cols = torch.arange(keys.start, keys.stop, device=q_t.device)[None, :]
         s = s.masked_fill(~pattern.visible(rows, cols), -math.inf)
-    return s, keys
+    return s, keys, slope
 
 
 def _sequences(cu_seqlens, pattern: Pattern):
@@ -91,15 +101,16 @@ def _sequences(cu_seqlens, pattern: Pattern):
     cu_q, cu_k = (c.tolist() for c in cu_seqlens)
     for s in range(len(cu_q) - 1):
         rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
-        yield rows, keys, Pattern.make(rows.stop - rows.start, keys.stop - keys.start,
-                                       window=(pattern.left, pattern.right), sink_tokens=pattern.sink_tokens)
+        yield rows, keys, pattern.resized(rows.stop - rows.start, keys.stop - keys.start)
 
 
-def tiled_forward(q, k, v, sinks, pattern: Pattern, scale: float, tile: int | None = None, *, cu_seqlens=None):
+def tiled_forward(q, k, v, sinks, pattern: Pattern, scale: float, tile: int | None = None, *, softcap: float = 0.0,
+                  cu_seqlens=None):
     """Online-softmax forward over tiles. Shapes as in :func:`gstar.kernels.attention_forward`.
 
     q: (B, Hq, Nq, D), k: (B, Hkv, Nk, D), v: (B, Hkv, Nk, Dv), sinks: None or (Hq,). Returns out
     (B, Hq, Nq, Dv) (q's dtype and layout) and lse (B, Hq, Nq) in float32 (float64 for float64 inputs).
+    ``softcap``: the scores' soft-cap (0.0: none).
     With ``cu_seqlens`` (packed heads-first views, B = 1) each sequence runs on its own and out is a view
     of a contiguous packed tensor.
     """
@@ -110,7 +121,7 @@ def tiled_forward(q, k, v, sinks, pattern: Pattern, scale: float, tile: int | No
         lse = torch.empty((1, Hq, Nq), dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
         for rows, keys, p in _sequences(cu_seqlens, pattern):
             out[:, :, rows], lse[:, :, rows] = tiled_forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], sinks,
-                                                             p, scale, tile)
+                                                             p, scale, tile, softcap=softcap)
         return out, lse
     Hkv = k.shape[1]
     tile = tile or _default_tile(q)
@@ -127,7 +138,7 @@ def tiled_forward(q, k, v, sinks, pattern: Pattern, scale: float, tile: int | No
             den.fill_(1.0)
         acc = q_t.new_zeros((*q_t.shape[:-1], Dv))                           # (B, Hkv, G, bm, Dv)
         for b, masked in blocks:
-            s, keys = _scores(pattern, q_t, k, r0, b, masked, scale, tile)
+            s, keys, _ = _scores(pattern, q_t, k, r0, b, masked, scale, softcap, tile)
             m_new = torch.maximum(m, s.amax(dim=-1))
             m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows still empty
             alpha = torch.exp(m - m_safe)
@@ -143,7 +154,7 @@ def tiled_forward(q, k, v, sinks, pattern: Pattern, scale: float, tile: int | No
 
 
 def tiled_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale: float,
-                   tile: int | None = None, *, cu_seqlens=None, deterministic: bool = True):
+                   tile: int | None = None, *, softcap: float = 0.0, cu_seqlens=None, deterministic: bool = True):
     """Backward that recomputes probabilities tile by tile from ``lse``. Returns (dq, dk, dv, dsinks).
     Always deterministic (``deterministic`` is accepted for the Triton backward's signature).
 
@@ -157,7 +168,8 @@ def tiled_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale
         dsinks = None if sinks is None else torch.zeros_like(sinks)
         for rows, keys, p in _sequences(cu_seqlens, pattern):
             g = tiled_backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
-                               lse[:, :, rows], None if dlse is None else dlse[:, :, rows], sinks, p, scale, tile)
+                               lse[:, :, rows], None if dlse is None else dlse[:, :, rows], sinks, p, scale, tile,
+                               softcap=softcap)
             for grad, part, index in zip(grads, g, (rows, keys, keys)):
                 grad[:, :, index] += part
             if sinks is not None:
@@ -184,12 +196,14 @@ def tiled_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale
         dq_t = torch.zeros_like(q_t)
         pdp_t = pdp[:, :, rows].unflatten(1, (Hkv, -1))                     # (B, Hkv, G, bm), a view
         for b, masked in blocks:
-            s, keys = _scores(pattern, q_t, k, r0, b, masked, scale, tile)
+            s, keys, slope = _scores(pattern, q_t, k, r0, b, masked, scale, softcap, tile)
             p = torch.exp(s - lse_t)                                         # (B, Hkv, G, bm, bn)
             dv[:, :, keys] += torch.einsum("bhgmn,bhgmd->bhnd", p, do_t)
             dp = do_t @ v[:, :, None, keys].to(stat).transpose(-1, -2)
             ds = p * (dp - delta_t)
             pdp_t += (p * dp).sum(dim=-1)
+            if slope is not None:  # through the soft-cap: d(cap tanh(s / cap)) = (1 - tanh^2) ds
+                ds = ds * slope
             dq_t += ds @ k[:, :, None, keys].to(stat) * scale
             dk[:, :, keys] += torch.einsum("bhgmn,bhgmd->bhnd", ds, q_t) * scale
         dq[:, :, rows] = dq_t.flatten(1, 2).to(q.dtype)

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .. import api
+from .. import api, ops
 from ..pattern import Pattern, sink_gradient
 from . import halo, ring
 from .exchange import Peers
@@ -30,6 +30,11 @@ class Spec(NamedTuple):
     sink_tokens: int
     scale: float
     backend: str
+    softcap: float = 0.0
+
+    def options(self, pattern: Pattern) -> ops.Options:
+        """The options of one block of the exchange, under ``pattern``."""
+        return ops.Options(pattern, self.scale, self.backend, softcap=self.softcap)
 
 
 def _exchange(spec: Spec):
@@ -59,13 +64,14 @@ class _ContextParallel(torch.autograd.Function):
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _check_ranks(peers: Peers, q, k, v, sinks, layout: str, pattern: Pattern, scale: float):
+def _check_ranks(peers: Peers, q, k, v, sinks, layout: str, pattern: Pattern, scale: float, softcap: float):
     """One all-gather of the shapes and options: every rank raises the same error when ranks disagree."""
     B, Hq, n, D = q.shape
     fields = {"local sequence length": n, "batch size": B, "query heads": Hq, "kv heads": k.shape[1],
               "head dim": D, "value head dim": v.shape[-1], "window left": pattern.left,
               "window right": pattern.right, "sink_tokens": pattern.sink_tokens, "learned sinks": sinks is not None,
-              "layout": LAYOUTS.index(layout), "dtype": _DTYPES.index(q.dtype), "scale": scale}
+              "layout": LAYOUTS.index(layout), "dtype": _DTYPES.index(q.dtype), "scale": scale,
+              "softcap": softcap}
     device = q.device if dist.get_backend(peers.group) == "nccl" else torch.device("cpu")
     mine = torch.tensor([float(x) for x in fields.values()], dtype=torch.float64, device=device)
     every = [torch.empty_like(mine) for _ in range(peers.world)]
@@ -83,8 +89,8 @@ def _check_ranks(peers: Peers, q, k, v, sinks, layout: str, pattern: Pattern, sc
 
 
 def context_parallel_attention(q, k, v, *, group=None, layout="zigzag", causal=False, window=(-1, -1),
-                               sink_tokens=0, sinks=None, scale=None, return_lse=False, backend="auto",
-                               check_ranks=True):
+                               sink_tokens=0, sinks=None, scale=None, softcap=0.0, return_lse=False,
+                               backend="auto", check_ranks=True):
     """Exact attention over one sequence sharded along N over the ranks of ``group``, differentiable.
 
     Args:
@@ -93,7 +99,7 @@ def context_parallel_attention(q, k, v, *, group=None, layout="zigzag", causal=F
         group: the process group (default: the default group); every rank of it calls with its shard.
         layout: ``"zigzag"`` (balanced causal work; ``n`` even) or ``"contiguous"``
             (:mod:`gstar.distributed.layout` draws both).
-        causal, window, sink_tokens, sinks, scale, backend: as in :func:`gstar.flash_attention`, on global
+        causal, window, sink_tokens, sinks, scale, softcap, backend: as in :func:`gstar.flash_attention`, on global
             positions. Supported: unbounded windows (causal or not), whose K/V pass around a ring, and causal
             sliding windows ``(left, 0)`` with or without sink tokens, which fetch only the keys within
             ``left`` of each shard (from several ranks when the window is wider than a shard) and the sink
@@ -112,7 +118,7 @@ def context_parallel_attention(q, k, v, *, group=None, layout="zigzag", causal=F
                            "torch.distributed.init_process_group first")
     check_layout(layout)
     options = api.normalize(q, k, v, causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks,
-                            scale=scale, backend=backend, return_lse=return_lse)
+                            scale=scale, backend=backend, return_lse=return_lse, softcap=softcap)
     n = q.shape[2]
     if k.shape[2] != n:
         raise ValueError(f"context parallel attention is self-attention over one sharded sequence: q and k must "
@@ -128,8 +134,8 @@ def context_parallel_attention(q, k, v, *, group=None, layout="zigzag", causal=F
     pattern = Pattern.make(n * peers.world, n * peers.world, window=(local.left, local.right),
                            sink_tokens=int(sink_tokens))
     if check_ranks:
-        _check_ranks(peers, q, k, v, sinks, layout, pattern, options.scale)
+        _check_ranks(peers, q, k, v, sinks, layout, pattern, options.scale, options.softcap)
     spec = Spec(peers, layout, n, pattern.right == 0, pattern.left, pattern.sink_tokens, options.scale,
-                options.backend)
+                options.backend, options.softcap)
     out, lse = _ContextParallel.apply(q, k, v, sinks, spec)
     return (out, lse) if return_lse else out

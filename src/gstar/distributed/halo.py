@@ -195,10 +195,6 @@ def _plan(spec) -> Plan:
     return plan(spec.n_local, spec.peers.world, spec.peers.rank, spec.layout, spec.left, spec.sink_tokens)
 
 
-def _options(pattern: Pattern, spec) -> ops.Options:
-    return ops.Options(pattern, spec.scale, spec.backend)
-
-
 def _add(rows: torch.Tensor, part: torch.Tensor) -> None:
     """``rows += part`` in place, summed in the statistics dtype and rounded once."""
     stat = ops.stat_dtype(rows.dtype)
@@ -211,7 +207,7 @@ def forward(q, k, v, sinks, spec):
     p, batch = _plan(spec), q.shape[0]
     own = _groups(p.own, batch, spec.n_local)
     results = [ops.run_forward(ops.Inputs(g.cut(q), g.cut(k), g.cut(v), sinks, None, None),
-                               _options(g.pattern, spec)) for g in own]
+                               spec.options(g.pattern)) for g in own]
     pending = _post(p, spec, [k, v])
     out = _joined_groups(own, [o for o, _ in results])                      # (B, Hq, n, Dv)
     lse = _joined_groups(own, [s for _, s in results])                      # (B, Hq, n)
@@ -219,7 +215,7 @@ def forward(q, k, v, sinks, spec):
     keys, values = _keys(p, spec, fetched, [k, v], pending)
     for g, kc, vc in zip(fetched, keys, values):
         part_out, part_lse = ops.run_forward(ops.Inputs(g.cut(q), kc, vc, None, None, None),
-                                             _options(g.pattern, spec))
+                                             spec.options(g.pattern))
         rows = g.cut(out).to(lse.dtype)                                     # (B, Hq, rows, Dv)
         merge(rows, g.cut(lse), part_out, part_lse)
         g.cut(out).copy_(rows)
@@ -239,7 +235,7 @@ def backward(dout, q, k, v, sinks, out, lse, dlse, fetched_kv, spec):
     def run(g: Group, kc, vc):
         return ops.run_backward(g.cut(dout), g.cut(out), g.cut(lse).contiguous(),
                                 None if dlse is None else g.cut(dlse), ops.Inputs(g.cut(q), kc, vc, sinks, None, None),
-                                _options(g.pattern, spec))
+                                spec.options(g.pattern))
 
     own = _groups(p.own, batch, spec.n_local)
     grads = [run(g, g.cut(k), g.cut(v)) for g in own]

@@ -90,7 +90,7 @@ def forward(q, k, v, sinks, spec):
         for b in step_blocks:
             inputs = ops.Inputs(q[:, :, b.rows], kv[0][:, :, b.keys], kv[1][:, :, b.keys],
                                 sinks if step == 0 else None, None, None)
-            part_out, part_lse = ops.run_forward(inputs, ops.Options(b.pattern, spec.scale, spec.backend))
+            part_out, part_lse = ops.run_forward(inputs, spec.options(b.pattern))
             merge(out[:, :, b.rows], lse[:, :, b.rows], part_out, part_lse)
         if arriving is not None:
             kv = arriving.wait()
@@ -113,7 +113,7 @@ def backward(dout, q, k, v, sinks, out, lse, dlse, saved, spec):
             inputs = ops.Inputs(q[:, :, r], kv[0][:, :, b.keys], kv[1][:, :, b.keys], None, None, None)
             g_q, g_k, g_v, _ = ops.run_backward(
                 dout[:, :, r], out[:, :, r], lse[:, :, r].contiguous(), None if dlse is None else dlse[:, :, r],
-                inputs, ops.Options(b.pattern, spec.scale, spec.backend))
+                inputs, spec.options(b.pattern))
             dq[:, :, r] += g_q
             dk[:, :, b.keys] += g_k
             dv[:, :, b.keys] += g_v

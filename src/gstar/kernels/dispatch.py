@@ -60,7 +60,8 @@ SM90_DECODE_KEYS = 16384
 class Call(NamedTuple):
     """What decides which kernel runs a call: the pass (``"forward"``, ``"backward"`` or ``"decode"``), q's and the
     keys' dtypes, the head dims, the normalised pattern (the longest sequence's when packed; a decode step's at its
-    cache's capacity), the GQA group, and whether the batch is packed or (decoding) the cache paged."""
+    cache's capacity), the GQA group, whether the batch is packed or (decoding) the cache paged, and whether the
+    scores are soft-capped."""
 
     pass_: str
     dtype: torch.dtype
@@ -71,6 +72,7 @@ class Call(NamedTuple):
     group: int
     packed: bool = False
     paged: bool = False
+    softcap: bool = False
 
 
 def _full_or_causal(call: Call, head_dims) -> bool:
@@ -81,8 +83,11 @@ def _full_or_causal(call: Call, head_dims) -> bool:
 
 
 def serves_sm90(call: Call) -> bool:
-    """Whether the sm_90 kernels' tables give them calls of this kind (whatever the card)."""
+    """Whether the sm_90 kernels' tables give them calls of this kind (whatever the card): never soft-capped or
+    chunked ones, which only the portable kernels take."""
     p = call.pattern
+    if call.softcap or p.chunk:
+        return False
     if call.pass_ == "forward":
         fp8 = call.dtype == FP8
         table = SM90_FORWARD_FP8 if fp8 else SM90_FORWARD
@@ -142,7 +147,8 @@ def _positive(q, scale: float):
 
 
 def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: dict | None = None, *,
-                      cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None, descale=None, out_dtype=None):
+                      softcap: float = 0.0, cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      descale=None, out_dtype=None):
     """Attention forward on validated inputs; returns ``(out, lse)``.
 
     Dense: q: (B, Hq, Nq, D); k: (B, Hkv, Nk, D); v: (B, Hkv, Nk, Dv); pattern: the normalised
@@ -151,8 +157,9 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
     tensors), and ``pattern`` carries the window and the longest lengths (max_seqlen_q, max_seqlen_k); each
     sequence gets its own pattern inside the kernel, with nothing read on the host.
     float16/bfloat16/float32, any strides with unit last stride (never copied). sinks: None or (Hq,)
-    float32, unscaled. scale: any finite float. ``config`` overrides the portable kernel's tiles
-    (:func:`gstar.kernels.portable.tiles.forward_config`), for tests and tuning, and keeps the portable kernel
+    float32, unscaled. scale: any finite float; softcap: the scores' soft-cap (0.0: none). ``config``
+    overrides the portable kernel's tiles (:func:`gstar.kernels.portable.tiles.forward_config`), for tests and
+    tuning, and keeps the portable kernel
     where sm_90 would take its own.
 
     FP8 (float8_e4m3fn q, k, v): ``descale`` the descales of q, k and v, each None (1) or a float32 (B or
@@ -172,16 +179,19 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
     if descale is not None:
         v = widen(v, torch.bfloat16)                                               # (B, Hkv, Nk, Dv)
     lse = buffers.empty(q.shape[:3], dtype=torch.float32, device=q.device)        # (B, Hq, Nq)
-    call = Call("forward", q.dtype, k.dtype, q.shape[3], v.shape[3], pattern, q.shape[1] // k.shape[1], varlen)
+    call = Call("forward", q.dtype, k.dtype, q.shape[3], v.shape[3], pattern, q.shape[1] // k.shape[1], varlen,
+                softcap=softcap > 0)
     if config is None and family(call, q.device, (q_in, k, v)) == SM90:
         sm90_forward.forward(q_in, k, v, sinks, out, lse, pattern, scale, cu_seqlens, descale)
     else:
-        portable_forward.forward(q_in, k, v, sinks, out, lse, pattern, scale, config, cu_seqlens, descale)
+        portable_forward.forward(q_in, k, v, sinks, out, lse, pattern, scale, config, cu_seqlens, descale,
+                                 softcap=softcap)
     return out, lse
 
 
 def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale: float, *, config=None,
-                       cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None, deterministic: bool = True):
+                       softcap: float = 0.0, cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       deterministic: bool = True):
     """Gradients of attention (docs/design.md section 1) from the forward's output and LSE.
 
     Args:
@@ -190,7 +200,8 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
         lse: ``(B, Hq, Nq)`` float32 contiguous, natural log, sink term included (``-inf`` for empty rows).
         dlse: ``None`` or ``(B, Hq, Nq)`` gradient of the returned LSE (any strides and float dtype).
         sinks: ``None`` or ``(Hq,)`` float32 learned sink logits.
-        pattern: the normalised :class:`gstar.pattern.Pattern`; scale: multiplies ``q . k``.
+        pattern: the normalised :class:`gstar.pattern.Pattern`; scale: multiplies ``q . k``; softcap: the
+            scores' soft-cap (0.0: none).
         config: a :class:`gstar.kernels.portable.tiles.BackwardConfig` for the portable kernels (tests use
             other tiles, splits and loop forms; scripts/tune-backward sweeps them); it keeps them where sm_90
             would take its own.
@@ -214,7 +225,8 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
             if dlse is not None:
                 dsinks += dlse.float().sum(dim=(0, 2))
         return (*grads, dsinks)
-    call = Call("backward", q.dtype, k.dtype, q.shape[3], v.shape[3], pattern, Hq // k.shape[1], varlen)
+    call = Call("backward", q.dtype, k.dtype, q.shape[3], v.shape[3], pattern, Hq // k.shape[1], varlen,
+                softcap=softcap > 0)
     if config is None and family(call, q.device, (q, k, v, dout)) == SM90:
         # the dQ kernel's row statistics alone, then one kernel for dK, dV and a float32 dQ
         lse2, delta = portable_backward.statistics(dout, q, k, v, out, lse, dlse, pattern, scale)
@@ -229,26 +241,26 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
                 dsinks += (torch.exp(capped_sinks(sinks)[None, :, None] - lse) * dlse.float()).sum(dim=(0, 2))
         return like(q).copy_(dq_sum), dk, dv, dsinks
     return portable_backward.backward(dout, q, k, v, out, lse, dlse, sinks, pattern, scale, config=config,
-                                      cu_seqlens=cu_seqlens)
+                                      softcap=softcap, cu_seqlens=cu_seqlens)
 
 
 def decode_forward(q, cache, cache_seqlens, added: int, sinks, pattern: Pattern, scale: float,
-                   num_splits: int | None, descale=None, out_dtype=None):
+                   num_splits: int | None, descale=None, out_dtype=None, softcap: float = 0.0):
     """``(out, lse)`` of :func:`gstar.flash_attention_with_kvcache` on validated inputs (the cache already
     appended to). ``cache``: a :class:`gstar.kvcache.Cache`; ``cache_seqlens``: (B,) int32 or None (every
     sequence full); ``added``: keys appended this call; ``pattern``: nq and the window at the cache's capacity
     (each sequence's length is read on the device); ``sinks``: None or (Hq,) float32. An FP8 cache: ``descale``
     the descales of q, k and v, each None (1) or a float32 (B, Hkv) view (:func:`gstar.fp8.check`), and
-    ``out_dtype`` (default q's dtype)."""
+    ``out_dtype`` (default q's dtype); ``softcap``: the scores' soft-cap (0.0: none)."""
     B, Hq, nq, D = q.shape
     k, v = cache.k, cache.v
     Hkv, Dv = (k.shape[2] if cache.paged else k.shape[1]), v.shape[-1]
     if cache_seqlens is None:
         cache_seqlens = torch.full((B,), cache.capacity - added, dtype=torch.int32, device=q.device)
     q_in, scale = _positive(q, scale)
-    call = Call("decode", q.dtype, k.dtype, D, Dv, pattern, Hq // Hkv, paged=cache.paged)
+    call = Call("decode", q.dtype, k.dtype, D, Dv, pattern, Hq // Hkv, paged=cache.paged, softcap=softcap > 0)
     plan = decode_plan(call, q.device, (k, v), B, Hkv, cache.block_size if cache.paged else 0, num_splits)
-    return decode(plan, q_in, cache, cache_seqlens, added, sinks, scale, descale, out_dtype)
+    return decode(plan, q_in, cache, cache_seqlens, added, sinks, scale, descale, out_dtype, softcap)
 
 
 def decode_plan(call: Call, device: torch.device, cache: tuple, batch: int, kv_heads: int, block_size: int,
@@ -262,4 +274,5 @@ def decode_plan(call: Call, device: torch.device, cache: tuple, batch: int, kv_h
         return sm90_decode.plan(batch, heads, kv_heads, p.nq, call.head_dim, call.value_dim, call.paged, block_size,
                                 p, device, num_splits)
     return portable_decode.plan(batch, heads, kv_heads, p.nq, call.head_dim, call.value_dim, call.paged, block_size,
-                                p, device, dot_precision(call.dtype), num_splits, call.kv_dtype == FP8)
+                                p, device, dot_precision(call.dtype), num_splits, call.kv_dtype == FP8,
+                                call.softcap)

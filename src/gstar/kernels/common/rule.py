@@ -1,8 +1,8 @@
 """The rule of docs/design.md section 1 inside the kernels, as one value.
 
 The host describes a call's pattern to a kernel with two arguments: its runtime bounds (:func:`bounds`: ``left``,
-``right``, ``sink_tokens``, never specialised on, so new windows recompile nothing) and which of them are on
-(:class:`Mask`, one constexpr). Inside, the kernel joins them with its sequence's lengths into a :class:`Rule`
+``right``, ``sink_tokens``, ``chunk``, never specialised on, so new windows recompile nothing) and which of them
+are on (:class:`Mask`, one constexpr). Inside, the kernel joins them with its sequence's lengths into a :class:`Rule`
 (:func:`rule`), the value every helper takes: :func:`visible` here, the block walk of :mod:`.walk`, the softmax
 step of :mod:`.softmax`. :func:`visible` is the twin of :meth:`gstar.pattern.Pattern.visible`, which stays the
 specification; ``tests/test_ranges.py`` holds the two equal.
@@ -23,17 +23,20 @@ class Mask(NamedTuple):
 
     has_left: bool         # keys below p(i) - left are hidden
     has_right: bool        # keys past p(i) + right are hidden (causal: right = 0)
-    has_sink_tokens: bool  # keys below sink_tokens escape the left bound
+    has_sink_tokens: bool  # keys below sink_tokens escape the left bounds (the window's, the chunk's)
+    has_chunk: bool = False  # keys outside the query's chunk of positions are hidden
 
 
 def mask(pattern: Pattern) -> Mask:
     """The :class:`Mask` of a normalised pattern (its sink tokens count only under a left bound)."""
-    return Mask(pattern.left >= 0, pattern.right >= 0, pattern.left >= 0 and pattern.sink_tokens > 0)
+    return Mask(pattern.left >= 0, pattern.right >= 0, pattern.has_left and pattern.sink_tokens > 0,
+                pattern.chunk > 0)
 
 
 def bounds(pattern: Pattern) -> dict:
     """A pattern's runtime bounds, by the names the kernels' parameters take."""
-    return {"left": pattern.left, "right": pattern.right, "sink_tokens": pattern.sink_tokens}
+    return {"left": pattern.left, "right": pattern.right, "sink_tokens": pattern.sink_tokens,
+            "chunk": pattern.chunk}
 
 
 @triton.constexpr_function
@@ -45,29 +48,38 @@ def _value(x):
 @aggregate
 class Rule:
     """The rule of one sequence: its lengths ``nq``, ``nk`` and the pattern's bounds, with the constexpr flags
-    ``HAS_LEFT``, ``HAS_RIGHT``, ``HAS_SINK_TOKENS`` (bounds that are off are never read)."""
+    ``HAS_LEFT``, ``HAS_RIGHT``, ``HAS_SINK_TOKENS``, ``HAS_CHUNK`` (bounds that are off are never read)."""
 
     nq: base_value
     nk: base_value
     left: base_value
     right: base_value
     sink_tokens: base_value
+    chunk: base_value
     HAS_LEFT: tl.constexpr
     HAS_RIGHT: tl.constexpr
     HAS_SINK_TOKENS: tl.constexpr
+    HAS_CHUNK: tl.constexpr
 
     @triton.constexpr_function
-    def __init__(self, nq, nk, left, right, sink_tokens, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS):
+    def __init__(self, nq, nk, left, right, sink_tokens, chunk, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, HAS_CHUNK):
         self.nq, self.nk, self.left, self.right = _value(nq), _value(nk), _value(left), _value(right)
-        self.sink_tokens = _value(sink_tokens)
+        self.sink_tokens, self.chunk = _value(sink_tokens), _value(chunk)
         self.HAS_LEFT, self.HAS_RIGHT = tl.constexpr(HAS_LEFT), tl.constexpr(HAS_RIGHT)
-        self.HAS_SINK_TOKENS = tl.constexpr(HAS_SINK_TOKENS)
+        self.HAS_SINK_TOKENS, self.HAS_CHUNK = tl.constexpr(HAS_SINK_TOKENS), tl.constexpr(HAS_CHUNK)
 
 
 @triton.jit
-def rule(nq, nk, left, right, sink_tokens, MASK: tl.constexpr):
+def rule(nq, nk, left, right, sink_tokens, chunk, MASK: tl.constexpr):
     """The :class:`Rule` of a sequence of ``nq`` queries and ``nk`` keys under the kernel's bounds and ``MASK``."""
-    return Rule(nq, nk, left, right, sink_tokens, MASK.has_left, MASK.has_right, MASK.has_sink_tokens)
+    return Rule(nq, nk, left, right, sink_tokens, chunk, MASK.has_left, MASK.has_right, MASK.has_sink_tokens,
+                MASK.has_chunk)
+
+
+@triton.jit
+def chunk_start(pos, chunk):
+    """The first position of the chunk holding ``pos``, floored for a negative one (a row before the keys)."""
+    return tl.where(pos >= 0, pos // chunk, -((chunk - 1 - pos) // chunk)) * chunk
 
 
 @triton.jit
@@ -87,6 +99,12 @@ def visible(rule, rows, cols):
         if rule.HAS_SINK_TOKENS:
             inside = inside | (cols < rule.sink_tokens)
         ok = ok & inside
+    if rule.HAS_CHUNK:  # the query's own chunk; a row before the keys (p(i) < 0) has none
+        start = pos // rule.chunk * rule.chunk  # (non-negative pos: the truncated quotient is the floored one)
+        inside = cols >= start
+        if rule.HAS_SINK_TOKENS:
+            inside = inside | (cols < rule.sink_tokens)
+        ok = ok & inside & (cols < start + rule.chunk) & (pos >= 0)
     return ok
 
 

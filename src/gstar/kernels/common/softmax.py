@@ -18,6 +18,37 @@ LN2 = tl.constexpr(math.log(2.0))
 _SINK_LIMIT = tl.constexpr(SINK_LIMIT)  # the cap of gstar.pattern, as the kernels read it
 
 
+_TANH_SERIES = tl.constexpr(0.2)  # |x| below which tanh takes its series: 1 - 2 / (e^2x + 1) cancels there
+_HALF_LN2 = tl.constexpr(0.5 * math.log(2.0))
+
+
+@triton.jit
+def softcapped(s, softcap, SOFTCAP: tl.constexpr):
+    """Raw scores as the softmax takes them: under a logit soft-cap (Gemma 2's ``cap * tanh(scale s / cap)``),
+    ``tanh(scale s / cap)``, the factor ``cap * log2(e)`` left to qk_scale, else ``s`` itself. ``softcap`` is
+    ``2 log2(e) scale / cap`` (:func:`softcap_args`), so ``y = s * softcap`` is ``2x`` in base 2.
+
+    tanh takes one exp2 and one fast division, ``1 - 2 / (2^y + 1)``, exact at both ends (+-1 where 2^y
+    overflows or vanishes), and for ``|x| < 0.2``, where that difference loses the low bits, its series to
+    x^7 (truncation below 6e-8 relative): within a few float32 ulps of tanh everywhere."""
+    if SOFTCAP:
+        y = s * softcap
+        far = 1.0 - tl.fdiv(2.0, tl.math.exp2(y) + 1.0)
+        x = y * _HALF_LN2
+        x2 = x * x
+        near = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+        s = tl.where(tl.abs(x) < _TANH_SERIES, near, far)
+    return s
+
+
+def softcap_args(scale: float, softcap: float) -> dict:
+    """The score factors a kernel takes, by name: ``qk_scale`` (``scale * log2(e)``, or ``cap * log2(e)`` under
+    a soft-cap) and ``softcap`` (:func:`softcapped`'s factor; 0.0 without one)."""
+    if softcap > 0:
+        return {"qk_scale": softcap * LOG2E.value, "softcap": 2.0 * LOG2E.value * scale / softcap}
+    return {"qk_scale": scale * LOG2E.value, "softcap": 0.0}
+
+
 @triton.jit
 def softmax_step(s, m_i, l_i, rows, cols, qk_scale, rule, MASKED: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
     """One KV block's online-softmax update of R rows: returns ``(p, alpha, m_i, l_i)``, ``p`` the block's

@@ -17,7 +17,7 @@ from .. import card
 from ..launch import constexprs, launch
 from .fp8 import descale_args
 from .sizes import pad_head_dim
-from .softmax import LOG2E, sink_logit
+from .softmax import sink_logit, softcap_args
 
 
 
@@ -96,7 +96,7 @@ def visible_blocks(pattern: Pattern, nq: int, block_n: int) -> int:
     """The blocks of ``block_n`` keys a full cache's queries see (the sink-token blocks and the band); at a
     shorter length a window's band may straddle one block more."""
     sink_end, band_start, _, _, band_end = kv_blocks(pattern, 0, nq, block_n)
-    return sink_end + band_end - band_start + (pattern.left >= 0)
+    return sink_end + band_end - band_start + pattern.has_left
 
 
 def early_combine(device: torch.device) -> bool:
@@ -112,7 +112,8 @@ def merge_options(value_dim: int, splits: int, device: torch.device) -> tuple:
                       launch_pdl=pdl)
 
 
-def decode(plan: Plan, q, cache, cache_seqlens, added: int, sinks, scale: float, descale=None, out_dtype=None):
+def decode(plan: Plan, q, cache, cache_seqlens, added: int, sinks, scale: float, descale=None, out_dtype=None,
+           softcap: float = 0.0):
     """``(out, lse)`` of a decode step under ``plan`` (shapes as :func:`gstar.kernels.dispatch.decode_forward`
     takes them; ``cache_seqlens`` given, ``scale`` > 0): the kernel, then the merge of its splits."""
     B, Hq, nq, D = q.shape
@@ -132,7 +133,7 @@ def decode(plan: Plan, q, cache, cache_seqlens, added: int, sinks, scale: float,
         **plan.args, "Q": q, "K": k, "V": v, "BlockTable": table, "Seqlens": cache_seqlens, "Sinks": kernel_sinks,
         "Out": target, "Lse": target_lse, "stride_q": tuple(q.stride()[:3]), "stride_k": tuple(k.stride()[:3]),
         "stride_v": tuple(v.stride()[:3]), "stride_bt": table.stride(0) if cache.paged else 0, "stride_o": stride_o,
-        "stride_lse": stride_lse, "added": added, "qk_scale": scale * LOG2E.value, **descale_args(descale)},
+        "stride_lse": stride_lse, "added": added, **softcap_args(scale, softcap), **descale_args(descale)},
         plan.options)
     if plan.splits > 1:
         launch(combine, (nq, Hq, B), {"Part": target, "PartLse": target_lse, "Sinks": sinks, "Out": out, "Lse": lse,

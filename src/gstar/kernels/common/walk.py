@@ -14,6 +14,8 @@ import triton.language as tl
 from triton.language.core import _aggregate as aggregate
 from triton.language.core import base_value
 
+from .rule import chunk_start
+
 ALL_ROWS = tl.constexpr(2**30)  # a tile height that covers every query row: a decode program's union of keys
 
 
@@ -65,6 +67,9 @@ def kv_blocks(rule, row_start, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
         lo = tl.minimum(tl.maximum(pmin - left, 0), nk)
     if rule.HAS_RIGHT:
         hi = tl.maximum(tl.minimum(pmax + right + 1, nk), 0)
+    if rule.HAS_CHUNK:  # the chunks of the first and the last row
+        lo = tl.minimum(tl.maximum(lo, chunk_start(pmin, rule.chunk)), nk)
+        hi = tl.maximum(tl.minimum(hi, chunk_start(pmax, rule.chunk) + rule.chunk), 0)
     sink_blocks = (tl.minimum(sink_tokens, hi) + BLOCK_N - 1) // BLOCK_N  # sink keys obey the right bound
     empty = hi <= lo
     band_start = lo // BLOCK_N
@@ -76,6 +81,9 @@ def kv_blocks(rule, row_start, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     full_end = tl.minimum(band_end, nk // BLOCK_N)
     if rule.HAS_RIGHT:
         full_end = tl.minimum(full_end, tl.maximum(pmin + right + 1, 0) // BLOCK_N)
+    if rule.HAS_CHUNK:  # keys every row's chunk holds: from the last row's chunk start to the first row's end
+        full_start = tl.maximum(full_start, (tl.maximum(chunk_start(pmax, rule.chunk), 0) + BLOCK_N - 1) // BLOCK_N)
+        full_end = tl.minimum(full_end, tl.maximum(chunk_start(pmin, rule.chunk) + rule.chunk, 0) // BLOCK_N)
     no_interior = full_end <= full_start
     full_start = tl.where(no_interior, band_end, full_start)
     full_end = tl.where(no_interior, band_end, full_end)
@@ -176,6 +184,10 @@ def q_tiles(rule, key_start, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         # rows after the last one whose left bound reaches the block; a sink key is seen by every later row
         reach = tl.minimum(key_end + left - offset, nq)
         rmax = tl.where(key_start >= sink_tokens, reach, nq)
+    if rule.HAS_CHUNK:  # rows in the chunks of the block's keys (a sink key escapes the chunk's start)
+        rmin = tl.maximum(rmin, key_start // rule.chunk * rule.chunk - offset)
+        reach = tl.minimum(rmax, (key_end - 1) // rule.chunk * rule.chunk + rule.chunk - offset)
+        rmax = tl.where(key_start >= sink_tokens, reach, rmax)
     empty = rmax <= rmin
     start = rmin // BLOCK_M
     end = (tl.maximum(rmax, 0) + BLOCK_M - 1) // BLOCK_M
@@ -183,10 +195,17 @@ def q_tiles(rule, key_start, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     if rule.HAS_RIGHT:
         full_start = tl.maximum(start, (tl.maximum(key_end - 1 - right - offset, 0) + BLOCK_M - 1) // BLOCK_M)
     full_end = tl.minimum(end, nq // BLOCK_M)
+    if rule.HAS_CHUNK:  # rows whose chunk ends past the block
+        chunk_rows = tl.maximum((key_end - 1) // rule.chunk * rule.chunk - offset, 0)
+        full_start = tl.maximum(full_start, (chunk_rows + BLOCK_M - 1) // BLOCK_M)
     if rule.HAS_LEFT:
         first_plain_key = tl.maximum(key_start, sink_tokens)  # smallest key that needs the left bound
         plain_end = tl.maximum(first_plain_key + left - offset + 1, 0) // BLOCK_M
         full_end = tl.where(key_end > sink_tokens, tl.minimum(full_end, plain_end), full_end)
+    if rule.HAS_CHUNK:  # rows whose chunk starts at or before the block's first plain key
+        first_plain_key = tl.maximum(key_start, sink_tokens)
+        chunk_end = tl.maximum(first_plain_key // rule.chunk * rule.chunk + rule.chunk - offset, 0) // BLOCK_M
+        full_end = tl.where(key_end > sink_tokens, tl.minimum(full_end, chunk_end), full_end)
     no_interior = (key_end - key_start < BLOCK_N) | (full_end <= full_start)
     full_start = tl.where(no_interior, end, full_start)
     full_end = tl.where(no_interior, end, full_end)

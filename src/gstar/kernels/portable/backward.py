@@ -52,7 +52,7 @@ from ..common import descriptors
 from ..common.partials import block_rows, store_rows, sum_partials
 from ..common.rule import bounds, mask, rule, sequence_bounds, tile_rows, visible
 from ..common.sizes import next_power_of_2, pad_head_dim
-from ..common.softmax import LOG2E, sink_max
+from ..common.softmax import LOG2E, sink_max, softcap_args, softcapped
 from ..common.walk import Tiles, block_at, kv_blocks, q_tiles, segment, steps, table_blocks, tile_segment
 from ..launch import constexprs, launch
 from .forward import batch_strides
@@ -122,9 +122,9 @@ def _head_rows(A, B, b, h, start, stride_a, stride_b, TMA: tl.constexpr):
 
 @triton.jit
 def _dkdv_step(
-    dk, dv, k, v, Q, DO, LSE2, DELTA, seq, head, m_start, stride_qn, stride_don, offs_n, rule, qk_scale,
+    dk, dv, k, v, Q, DO, LSE2, DELTA, seq, head, m_start, stride_qn, stride_don, offs_n, rule, qk_scale, softcap,
     MASKED: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, TMA: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Adds one Q tile's contribution to dk (BLOCK_N, D_PAD) and dv (BLOCK_N, DV_PAD), float32.
 
@@ -145,13 +145,15 @@ def _dkdv_step(
         delta = tl.load(DELTA + offs_m)
     # both products that need only loaded tiles first, then the softmax work, so that the second product
     # overlaps the exponentials (dQ's step is faster in its own order)
-    s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)                              # (BLOCK_N, BLOCK_M)
+    s_t = softcapped(tl.dot(k, tl.trans(q), input_precision=PRECISION), softcap, SOFTCAP)  # (BLOCK_N, BLOCK_M)
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)                            # (BLOCK_N, BLOCK_M)
     p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
     if MASKED:
         p_t = tl.where(visible(rule, offs_m[None, :], offs_n[:, None]), p_t, 0.0)
     dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
     ds_t = p_t * (dp_t - delta[None, :])
+    if SOFTCAP:  # through the soft-cap: s_t holds tanh, whose derivative is 1 - tanh^2
+        ds_t = ds_t * (1.0 - s_t * s_t)
     dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
     return dk, dv
 
@@ -176,10 +178,10 @@ def _sum_sink_shares(SHARES, DSINKS, h_first, heads, hq, n_rows, GROUP: tl.const
 def _dkdv(
     Q, K, V, DO, LSE2, DELTA, DK, DV, WORK, SHARES, DSINKS, CuQ, CuK,
     stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv, stride_lse,
-    nq, nk, head_splits, n_items, n_shares, left, right, sink_tokens, scale, qk_scale,
+    nq, nk, head_splits, n_items, n_shares, left, right, sink_tokens, chunk, scale, qk_scale, softcap,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     VALUE_DIM: tl.constexpr, MASK: tl.constexpr, FLAT: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Grid ``(n_items, Hkv * head_splits, B)``: dK, dV of one KV tile of one kv head, summed over
     ``GROUP // head_splits`` query heads and the Q tiles of one work item.
@@ -197,7 +199,8 @@ def _dkdv(
     (1, 1, BLOCK_M, DV_PAD) tiles.
     With learned sinks (DSINKS: (Hq,) float32, SHARES: (n_shares, Hq) float32, else both None) the program
     of item 0 and sequence 0 of each (kv head, head split) also sums its query heads' dsinks shares, which
-    ``_dq`` (launched before) stored, into DSINKS (one launch fewer).
+    ``_dq`` (launched before) stored, into DSINKS (one launch fewer). ``scale`` multiplies ``q . k``;
+    ``qk_scale``, ``softcap`` and SOFTCAP are the score factors of the forward.
     """
     D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
     DV_PAD: tl.constexpr = pad_head_dim(VALUE_DIM)
@@ -212,7 +215,7 @@ def _dkdv(
     heads = GROUP // head_splits
     q_start, nq = sequence_bounds(CuQ, b, nq, VARLEN)
     k_start, nk = sequence_bounds(CuK, b, nk, VARLEN)
-    seq_rule = rule(nq, nk, left, right, sink_tokens, MASK)
+    seq_rule = rule(nq, nk, left, right, sink_tokens, chunk, MASK)
     h_first = hkv * GROUP + split * heads  # this program's query heads: h_first .. h_first + heads - 1
     hq = (tl.num_programs(1) // head_splits) * GROUP
     if VARLEN:
@@ -243,7 +246,8 @@ def _dkdv(
             dk, dv = _dkdv_step(
                 dk, dv, k, v, q_head, do_head, lse2_head, delta_head, seq, h.to(tl.int32), m * BLOCK_M,
                 stride_qn=stride_q[2], stride_don=stride_do[2], offs_n=offs_n, rule=seq_rule, qk_scale=qk_scale,
-                MASKED=True, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM, TMA=TMA, PRECISION=PRECISION)
+                softcap=softcap, MASKED=True, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM, TMA=TMA,
+                PRECISION=PRECISION, SOFTCAP=SOFTCAP)
     else:
         for g in range(split * heads, split * heads + heads):
             h = hkv * GROUP + g
@@ -256,8 +260,8 @@ def _dkdv(
                     dk, dv = _dkdv_step(
                         dk, dv, k, v, q_head, do_head, lse2_head, delta_head, seq, h.to(tl.int32), m * BLOCK_M,
                         stride_qn=stride_q[2], stride_don=stride_do[2], offs_n=offs_n, rule=seq_rule,
-                        qk_scale=qk_scale, MASKED=r != 1, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
-                        TMA=TMA, PRECISION=PRECISION)
+                        qk_scale=qk_scale, softcap=softcap, MASKED=r != 1, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM,
+                        VALUE_DIM=VALUE_DIM, TMA=TMA, PRECISION=PRECISION, SOFTCAP=SOFTCAP)
     if SPLIT:
         # pid_h = hkv * head_splits + split, so this is partial [b, hkv, split, item]
         slot = (b * tl.num_programs(1) + pid_h) * n_items + item
@@ -285,9 +289,9 @@ def _store_partial(P, slot, x):
 
 @triton.jit
 def _dq_step(
-    dq, pdp, q, do, lse2, delta, K, V, seq, kv_head, n_start, stride_kn, stride_vn, offs_m, rule, qk_scale,
+    dq, pdp, q, do, lse2, delta, K, V, seq, kv_head, n_start, stride_kn, stride_vn, offs_m, rule, qk_scale, softcap,
     MASKED: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, TMA: tl.constexpr,
-    PRECISION: tl.constexpr, ROW_SUMS: tl.constexpr,
+    PRECISION: tl.constexpr, ROW_SUMS: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Adds one KV block's contribution to dq (BLOCK_M, D_PAD) float32 and, with ROW_SUMS, to
     pdp (BLOCK_M,) float32, the rows' sums of P * dP.
@@ -299,7 +303,7 @@ def _dq_step(
     offs_n = n_start + tl.arange(0, BLOCK_N)                                            # (BLOCK_N,)
     k, v = _load_pair(K, V, seq, kv_head, n_start, rule.nk, stride_kn, stride_vn, ROWS=BLOCK_N, CHECK_ROWS=MASKED,
                       A_DIM=HEAD_DIM, B_DIM=VALUE_DIM, TMA=TMA)               # (BLOCK_N, D_PAD), (BLOCK_N, DV_PAD)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)                                # (BLOCK_M, BLOCK_N)
+    s = softcapped(tl.dot(q, tl.trans(k), input_precision=PRECISION), softcap, SOFTCAP)  # (BLOCK_M, BLOCK_N)
     p = tl.math.exp2(s * qk_scale - lse2[:, None])
     if MASKED:
         p = tl.where(visible(rule, offs_m[:, None], offs_n[None, :]), p, 0.0)
@@ -307,6 +311,8 @@ def _dq_step(
     ds = p * (dp - delta[:, None])
     if ROW_SUMS:
         pdp += tl.sum(p * dp, 1)
+    if SOFTCAP:  # through the soft-cap (s holds tanh)
+        ds = ds * (1.0 - s * s)
     dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     return dq, pdp
 
@@ -315,10 +321,10 @@ def _dq_step(
 def _dq(
     Q, K, V, O, DO, DLSE, LSE, Sinks, LSE2, DELTA, DQ, DSINKS, KVTABLE, CuQ, CuK,
     stride_q, stride_k, stride_v, stride_o, stride_do, stride_dq, stride_dlse, stride_lse,
-    nq, nk, left, right, sink_tokens, scale, qk_scale,
+    nq, nk, left, right, sink_tokens, chunk, scale, qk_scale, softcap,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr, HEAD_DIM: tl.constexpr,
     VALUE_DIM: tl.constexpr, MASK: tl.constexpr, FLAT: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
-    STATS_ONLY: tl.constexpr = False,
+    SOFTCAP: tl.constexpr, STATS_ONLY: tl.constexpr = False,
 ):
     """Grid ``(n_tiles, Hq // PACK, B)``: dQ of one Q tile of PACK query heads, over the KV blocks that
     :func:`gstar.pattern.kv_block_table` lists in KVTABLE, (n_tiles, 5) int32 (dense: CuQ, CuK None), or
@@ -389,7 +395,7 @@ def _dq(
         return
     k_head, v_head = _head_rows(K, V, b, hkv, k_start, stride_k, stride_v, TMA)
     kv_head = hkv.to(tl.int32)
-    seq_rule = rule(nq, nk, left, right, sink_tokens, MASK)
+    seq_rule = rule(nq, nk, left, right, sink_tokens, chunk, MASK)
     if VARLEN:
         blocks = kv_blocks(seq_rule, pid_m * ROWS, ROWS, BLOCK_N)
     else:  # the host table, as in _dkdv
@@ -401,8 +407,9 @@ def _dq(
             n = block_at(blocks, i)
             dq, pdp = _dq_step(
                 dq, pdp, q, do, lse2, delta, k_head, v_head, seq, kv_head, n * BLOCK_N, stride_kn=stride_k[2],
-                stride_vn=stride_v[2], offs_m=pos, rule=seq_rule, qk_scale=qk_scale, MASKED=True, BLOCK_N=BLOCK_N,
-                HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM, TMA=TMA, PRECISION=PRECISION, ROW_SUMS=HAS_SINKS)
+                stride_vn=stride_v[2], offs_m=pos, rule=seq_rule, qk_scale=qk_scale, softcap=softcap, MASKED=True,
+                BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM, TMA=TMA, PRECISION=PRECISION,
+                ROW_SUMS=HAS_SINKS, SOFTCAP=SOFTCAP)
     else:
         # sink blocks, then the band's masked edge, unmasked interior and masked edge: one loop each
         for r in tl.static_range(4):
@@ -410,9 +417,9 @@ def _dq(
             for n in range(lo, hi):
                 dq, pdp = _dq_step(
                     dq, pdp, q, do, lse2, delta, k_head, v_head, seq, kv_head, n * BLOCK_N, stride_kn=stride_k[2],
-                    stride_vn=stride_v[2], offs_m=pos, rule=seq_rule, qk_scale=qk_scale, MASKED=r != 2,
-                    BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM, TMA=TMA, PRECISION=PRECISION,
-                    ROW_SUMS=HAS_SINKS)
+                    stride_vn=stride_v[2], offs_m=pos, rule=seq_rule, qk_scale=qk_scale, softcap=softcap,
+                    MASKED=r != 2, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM, TMA=TMA,
+                    PRECISION=PRECISION, ROW_SUMS=HAS_SINKS, SOFTCAP=SOFTCAP)
     dq_rows = b * stride_dq[0] + heads * stride_dq[1] + tokens * stride_dq[2]           # (BLOCK_M,)
     tl.store(DQ + dq_rows[:, None] + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=tile_ok)
     if HAS_SINKS:
@@ -449,8 +456,8 @@ class _Plan(NamedTuple):
 @functools.lru_cache(maxsize=256)
 def _plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tuple, v_shape: tuple, v_stride: tuple,
           o_stride: tuple, do_stride: tuple, dlse_stride: tuple | None, dtype: torch.dtype, device: torch.device,
-          has_sinks: bool, pattern: Pattern, scale: float, seqs: int | None, config: BackwardConfig | None,
-          precision: str) -> _Plan:
+          has_sinks: bool, pattern: Pattern, scale: float, softcap: float, seqs: int | None,
+          config: BackwardConfig | None, precision: str) -> _Plan:
     """The launches of one layout (as the forward's plan; ``dlse_stride`` None without an LSE gradient)."""
     B, Hq, Nq, D = q_shape
     Hkv, Nk, Dv = k_shape[1], k_shape[2], v_shape[3]
@@ -458,8 +465,9 @@ def _plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tuple, v_sh
     varlen = seqs is not None
     cfg = config or backward_config(D, dtype, pattern, device, batch_heads=B * Hq, group=group, value_dim=Dv)
     d_pad, dv_pad = pad_head_dim(D), pad_head_dim(Dv)
-    shared = dict(MASK=mask(pattern), PRECISION=precision, GROUP=group, HEAD_DIM=D, VALUE_DIM=Dv, FLAT=cfg.flat)
-    runtime = dict(nq=Nq, nk=Nk, **bounds(pattern), scale=float(scale), qk_scale=scale * LOG2E.value)
+    shared = dict(MASK=mask(pattern), PRECISION=precision, GROUP=group, HEAD_DIM=D, VALUE_DIM=Dv, FLAT=cfg.flat,
+                  SOFTCAP=softcap > 0)
+    runtime = dict(nq=Nq, nk=Nk, **bounds(pattern), scale=float(scale), **softcap_args(scale, softcap))
     lse_strides = batch_strides((Hq * Nq, Nq, 1), varlen)[:2]  # delta, lse2 and LSE: (B, Hq, Nq) contiguous
     q_s, k_s, v_s, o_s, do_s = (batch_strides(s, varlen) for s in (q_stride, k_stride, v_stride, o_stride, do_stride))
     dl_s = batch_strides(dlse_stride or (0, 0, 0), varlen)  # dLSE's (unused without one)
@@ -506,10 +514,11 @@ def _plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tuple, v_sh
     )
 
 
-def _layout_plan(dout, q, k, v, out, dlse, sinks, pattern: Pattern, scale: float, config, cu_seqlens) -> _Plan:
+def _layout_plan(dout, q, k, v, out, dlse, sinks, pattern: Pattern, scale: float, config, cu_seqlens,
+                 softcap: float = 0.0) -> _Plan:
     return _plan(q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(), dout.stride(),
                  None if dlse is None else dlse.stride(), q.dtype, q.device, sinks is not None, pattern, scale,
-                 None if cu_seqlens is None else cu_seqlens[0].shape[0] - 1, config, dot_precision(q.dtype))
+                 softcap, None if cu_seqlens is None else cu_seqlens[0].shape[0] - 1, config, dot_precision(q.dtype))
 
 
 def statistics(dout, q, k, v, out, lse, dlse, pattern: Pattern, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -527,7 +536,7 @@ def statistics(dout, q, k, v, out, lse, dlse, pattern: Pattern, scale: float) ->
 
 
 def backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale: float, *,
-             config: BackwardConfig | None = None, cu_seqlens=None):
+             config: BackwardConfig | None = None, softcap: float = 0.0, cu_seqlens=None):
     """``(dq, dk, dv, dsinks)`` with the portable kernels, for the calls of
     :func:`gstar.kernels.dispatch.attention_backward` (shapes as it takes them, at least one row and one key).
     ``config`` overrides :func:`backward_config` (tests use other tiles, splits and loop forms;
@@ -535,7 +544,7 @@ def backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale: floa
     Hq = q.shape[1]
     varlen = cu_seqlens is not None
     like = buffers.empty_packed_like if varlen else buffers.empty_like
-    plan = _layout_plan(dout, q, k, v, out, dlse, sinks, pattern, scale, config, cu_seqlens)
+    plan = _layout_plan(dout, q, k, v, out, dlse, sinks, pattern, scale, config, cu_seqlens, softcap)
     stats = buffers.empty(plan.stats_shape, dtype=torch.float32, device=q.device)
     delta, lse2 = stats[0], stats[1]                                                # (B, Hq, Nq) each
     cu_q, cu_k = cu_seqlens if varlen else (None, None)

@@ -28,7 +28,7 @@ from ...pattern import Pattern, cdiv
 from ..common.fp8 import half_queries, load_descales
 from ..common.rule import bounds, mask, rule
 from ..common.sizes import pad_head_dim
-from ..common.softmax import finish_state, softmax_step, start_state
+from ..common.softmax import finish_state, softcapped, softmax_step, start_state
 from ..common.split import Plan, decode_program, decode_rows, early_combine, merge_options, visible_blocks
 from ..common.walk import ALL_ROWS, block_at, kv_blocks, steps
 from .. import card
@@ -69,14 +69,16 @@ def _widen_values(v, PTX_WIDEN: tl.constexpr):
 
 
 @triton.jit
-def _fold_steps(acc, m_i, l_i, q, rows, i_lo, i_hi, cache, blocks, rule, qk_scale, HEAD_DIM: tl.constexpr,
+def _fold_steps(acc, m_i, l_i, q, rows, i_lo, i_hi, cache, blocks, rule, scores, HEAD_DIM: tl.constexpr,
                 VALUE_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PRECISION: tl.constexpr,
-                PTX_WIDEN: tl.constexpr, MASKED: tl.constexpr):
+                PTX_WIDEN: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
     """Fold steps ``i_lo .. i_hi`` of the walk by step (:func:`block_at` of ``blocks``) into the rows' state
     ``(acc, m_i, l_i)``; q: (BLOCK_R, D_PAD), rows: their query indices. ``cache``: (K, V, BlockTable, b, hkv,
-    stride_k, stride_v, stride_bt, page_size). MASKED blocks evaluate the rule per key; the others are whole
-    blocks below nk that every row sees, loaded and scored without masks."""
+    stride_k, stride_v, stride_bt, page_size); ``scores``: (qk_scale, softcap) as :func:`softcapped` takes them.
+    MASKED blocks evaluate the rule per key; the others are whole blocks below nk that every row sees, loaded and
+    scored without masks."""
     K, V, BlockTable, b, hkv, stride_k, stride_v, stride_bt, page_size = cache
+    qk_scale, softcap = scores
     nk = rule.nk
     offs_d = tl.arange(0, pad_head_dim(HEAD_DIM))
     offs_dv = tl.arange(0, pad_head_dim(VALUE_DIM))
@@ -89,6 +91,7 @@ def _fold_steps(acc, m_i, l_i, q, rows, i_lo, i_hi, cache, blocks, rule, qk_scal
                                 PAGED),
                     mask=key_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)  # (BLOCK_N, D_PAD)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # (BLOCK_R, BLOCK_N) raw scores
+        s = softcapped(s, softcap, SOFTCAP)
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, rows, cols, qk_scale, rule, MASKED, True)
         acc = acc * alpha[:, None]
         v = tl.load(_block_ptrs(V, BlockTable, b, hkv, start_n, offs_n, offs_dv, stride_v, stride_bt, page_size,
@@ -101,13 +104,13 @@ def _fold_steps(acc, m_i, l_i, q, rows, i_lo, i_hi, cache, blocks, rule, qk_scal
 
 
 # lengths, bounds and row counts change between calls: specialising on them would recompile a decode loop
-@triton.jit(do_not_specialize=["nq", "group", "added", "left", "right", "sink_tokens", "page_size"])
+@triton.jit(do_not_specialize=["nq", "group", "added", "left", "right", "sink_tokens", "chunk", "page_size"])
 def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, QDescale, KDescale, VDescale,
             stride_q, stride_k, stride_v, stride_bt, stride_o, stride_lse,
-            nq, group, added, left, right, sink_tokens, page_size, qk_scale, stride_ds,
+            nq, group, added, left, right, sink_tokens, chunk, page_size, qk_scale, softcap, stride_ds,
             HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
             PAGED: tl.constexpr, SPLIT: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
-            PTX_WIDEN: tl.constexpr, PDL: tl.constexpr):
+            PTX_WIDEN: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr):
     """Q: (B, Hq, nq, HEAD_DIM); K, V: contiguous (B, Hkv, Nmax, HEAD_DIM / VALUE_DIM) or, with PAGED, (pages,
     page_size, Hkv, ...) read through BlockTable (B, max_blocks) int32; Seqlens: (B,) int32, a sequence's keys
     before the ``added`` appended ones; Sinks: None or (Hq,) float32 (used when not SPLIT).
@@ -115,15 +118,19 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, QDescale, KDescale, V
     and (batch, head). SPLIT: Out (B, Hq, splits, nq, VALUE_DIM) and Lse (B, Hq, splits, nq) float32, strides
     (batch, head, split, row) and (batch, head, split): this program's partial, LSE -inf where it saw no key.
     stride_q, stride_k, stride_v: (batch, head, row), or (page, row, head) for a paged cache.
-    qk_scale = scale * log2(e) > 0. An FP8 cache (float8_e4m3fn K, V; Q FP8 too, or 16-bit and its keys
-    widened to Q's dtype): QDescale, KDescale, VDescale and ``stride_ds`` the descales as
-    :func:`load_descales` takes them, else None; PTX_WIDEN as :func:`_widen_values` takes it.
+    qk_scale, softcap and SOFTCAP: the score factors of :func:`softcap_args` (qk_scale > 0). An FP8 cache
+    (float8_e4m3fn K, V; Q FP8 too, or 16-bit and its keys widened to Q's dtype): QDescale, KDescale, VDescale
+    and ``stride_ds`` the descales as :func:`load_descales` takes them, else None; PTX_WIDEN as
+    :func:`_widen_values` takes it.
     PDL: :func:`combine` may launch once every program has walked its keys (programmatic dependent launch).
     """
     D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
     DV_PAD: tl.constexpr = pad_head_dim(VALUE_DIM)
     split, splits, hkv, tile, b, nk = decode_program(Seqlens, added, group, nq, BLOCK_R)
-    qk_scale, v_descale = load_descales(QDescale, KDescale, VDescale, b, hkv, stride_ds, qk_scale)
+    if SOFTCAP:  # the descales scale the raw scores, inside the tanh
+        softcap, v_descale = load_descales(QDescale, KDescale, VDescale, b, hkv, stride_ds, softcap)
+    else:
+        qk_scale, v_descale = load_descales(QDescale, KDescale, VDescale, b, hkv, stride_ds, qk_scale)
 
     offs_r = tile * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,) stacked rows of the group
     real = offs_r < group * nq
@@ -135,7 +142,10 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, QDescale, KDescale, V
     q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=real[:, None] & (offs_d[None, :] < HEAD_DIM),
                 other=0.0)  # (BLOCK_R, D_PAD)
     if K.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:  # an FP8 cache: Q K^T in float16
-        q, qk_scale = half_queries(q, qk_scale)
+        if SOFTCAP:
+            q, softcap = half_queries(q, softcap)
+        else:
+            q, qk_scale = half_queries(q, qk_scale)
 
     # the learned sink joins a row's sum once: here with one split, in the combine with several
     if SPLIT:
@@ -143,29 +153,31 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, QDescale, KDescale, V
     else:
         acc, m_i, l_i = start_state(Sinks, heads, VALUE_DIM)
 
-    seq_rule = rule(nq, nk, left, right, sink_tokens, MASK)
+    seq_rule = rule(nq, nk, left, right, sink_tokens, chunk, MASK)
     blocks = kv_blocks(seq_rule, 0, ALL_ROWS, BLOCK_N)
     whole, whole_end, count = steps(blocks)  # masked steps, whole ones from ``whole``, masked from ``whole_end``
     per = tl.cdiv(count, splits)
     lo, hi = split * per, tl.minimum(split * per + per, count)  # this split's share
     cache = (K, V, BlockTable, b, hkv, stride_k, stride_v, stride_bt, page_size)
+    scores = (qk_scale, softcap)
     # a paged cache's kernel waits on its block-table lookups, and more loops cost it registers and pipeline
     # fills: one masked loop
     if PAGED:
-        acc, m_i, l_i = _fold_steps(acc, m_i, l_i, q, rows, lo, hi, cache, blocks, seq_rule, qk_scale, HEAD_DIM,
-                                    VALUE_DIM, BLOCK_N, PAGED, PRECISION, PTX_WIDEN, True)
+        acc, m_i, l_i = _fold_steps(acc, m_i, l_i, q, rows, lo, hi, cache, blocks, seq_rule, scores, HEAD_DIM,
+                                    VALUE_DIM, BLOCK_N, PAGED, PRECISION, PTX_WIDEN, SOFTCAP, True)
     else:  # masked, whole and masked blocks, each loop entered only with blocks to walk
         if lo < tl.minimum(hi, whole):
             acc, m_i, l_i = _fold_steps(acc, m_i, l_i, q, rows, lo, tl.minimum(hi, whole), cache, blocks, seq_rule,
-                                        qk_scale, HEAD_DIM, VALUE_DIM, BLOCK_N, PAGED, PRECISION, PTX_WIDEN, True)
+                                        scores, HEAD_DIM, VALUE_DIM, BLOCK_N, PAGED, PRECISION, PTX_WIDEN, SOFTCAP,
+                                        True)
         if tl.maximum(lo, whole) < tl.minimum(hi, whole_end):
             acc, m_i, l_i = _fold_steps(acc, m_i, l_i, q, rows, tl.maximum(lo, whole), tl.minimum(hi, whole_end),
-                                        cache, blocks, seq_rule, qk_scale, HEAD_DIM, VALUE_DIM, BLOCK_N, PAGED,
-                                        PRECISION, PTX_WIDEN, False)
+                                        cache, blocks, seq_rule, scores, HEAD_DIM, VALUE_DIM, BLOCK_N, PAGED,
+                                        PRECISION, PTX_WIDEN, SOFTCAP, False)
         if tl.maximum(lo, whole_end) < hi:
             acc, m_i, l_i = _fold_steps(acc, m_i, l_i, q, rows, tl.maximum(lo, whole_end), hi, cache, blocks,
-                                        seq_rule, qk_scale, HEAD_DIM, VALUE_DIM, BLOCK_N, PAGED, PRECISION,
-                                        PTX_WIDEN, True)
+                                        seq_rule, scores, HEAD_DIM, VALUE_DIM, BLOCK_N, PAGED, PRECISION,
+                                        PTX_WIDEN, SOFTCAP, True)
 
     if PDL:  # the combine may launch now: this program's walk is done
         gdc_launch_dependents()
@@ -206,10 +218,10 @@ def default_splits(programs: int, visible: int, block_n: int, device: torch.devi
 
 @functools.lru_cache(maxsize=256)
 def plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: bool, block_size: int, pattern: Pattern,
-         device: torch.device, precision: str, num_splits: int | None, fp8: bool) -> Plan:
+         device: torch.device, precision: str, num_splits: int | None, fp8: bool, softcap: bool = False) -> Plan:
     """The launch of a decode step with this kernel (``block_size``: a paged cache's, else 0; ``pattern``: at the
     cache's capacity; ``precision``: :func:`gstar.kernels.portable.tiles.dot_precision` of q's dtype;
-    ``num_splits``: the caller's, or None)."""
+    ``num_splits``: the caller's, or None; ``softcap``: whether the scores are soft-capped)."""
     group = Hq // Hkv
     width = pad_head_dim(D) + pad_head_dim(Dv)
     block_r = stacked_rows(group * nq, width)
@@ -226,6 +238,6 @@ def plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: bool, block
     args = dict(nq=nq, group=group, **bounds(pattern), page_size=block_size if paged else 1)
     return Plan(_decode, (splits, Hkv * row_tiles, B), splits, args, constexprs(
         HEAD_DIM=D, VALUE_DIM=Dv, BLOCK_R=block_r, BLOCK_N=block_n, PAGED=paged, SPLIT=splits > 1,
-        MASK=mask(pattern), PRECISION=precision, PTX_WIDEN=fp8 and card.nvidia(device),
+        MASK=mask(pattern), PRECISION=precision, PTX_WIDEN=fp8 and card.nvidia(device), SOFTCAP=softcap,
         PDL=early_combine(device), num_warps=4, num_stages=stages, **cap),
         merge_options(Dv, splits, device))

@@ -29,23 +29,24 @@ from ...pattern import Pattern, cdiv
 from ..common.fp8 import descale_args, load_descales
 from ..common.rule import bounds, mask, rule, sequence_bounds, tile_rows
 from ..common.sizes import pad_head_dim
-from ..common.softmax import LOG2E, finish_state, softmax_step, start_state
+from ..common.softmax import finish_state, softcap_args, softcapped, softmax_step, start_state
 from ..common.walk import flat, kv_blocks, segment, tiles_fastest
 from ..launch import constexprs, launch
 from .tiles import dot_precision, forward_config
 
 @triton.jit
 def _attend_blocks(acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_n,
-                   block_lo, block_hi, qk_scale, rule, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+                   block_lo, block_hi, qk_scale, softcap, rule, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MAY_BE_EMPTY: tl.constexpr, PRECISION: tl.constexpr,
-                   HALVES: tl.constexpr):
+                   HALVES: tl.constexpr, SOFTCAP: tl.constexpr):
     """Fold KV blocks ``[block_lo, block_hi)`` into the running state of one Q tile.
 
     ``(acc, m_i, l_i, q, rows)`` are the state and rows of the tile (or of its first half with HALVES), as
     in :func:`softmax_step`, with q: (R, D_PAD); ``(acc2, ..., rows2)`` those of the second half (ignored
     and returned as they came without HALVES). k_ptrs: (D_PAD, BLOCK_N) and v_ptrs: (BLOCK_N, DV_PAD) point
     at keys 0..BLOCK_N-1 of this kv head; offs_n: (BLOCK_N,). Masked blocks also guard the loads of keys
-    past ``rule.nk``; whole blocks load unmasked unless their head dim is padded.
+    past ``rule.nk``; whole blocks load unmasked unless their head dim is padded. ``qk_scale``, ``softcap`` and
+    SOFTCAP: the score factors (:func:`softcapped`).
     HALVES: both halves' score products are issued before either softmax, so the tensor cores work on
     the second half's scores, then the first half's output, while the softmax of the other half runs.
     """
@@ -63,9 +64,9 @@ def _attend_blocks(acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2, k_ptrs, v_pt
             k = tl.load(k_block)
         else:
             k = tl.load(k_block, mask=d_ok[:, None], other=0.0)
-        s = tl.dot(q, k, input_precision=PRECISION)  # (R, BLOCK_N) raw scores
+        s = softcapped(tl.dot(q, k, input_precision=PRECISION), softcap, SOFTCAP)  # (R, BLOCK_N) raw scores
         if HALVES:
-            s2 = tl.dot(q2, k, input_precision=PRECISION)
+            s2 = softcapped(tl.dot(q2, k, input_precision=PRECISION), softcap, SOFTCAP)
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, rows, cols, qk_scale, rule, MASKED, MAY_BE_EMPTY)
         # the rescaled accumulator goes into the next dot as its accumulator, so the MMA adds into it in place
         acc = acc * alpha[:, None]
@@ -115,13 +116,14 @@ def _finish_rows(Out, Lse, acc, m_i, l_i, offs, h0, row_start, q_start, b, strid
 
 # sequence lengths and window bounds change from call to call: specialising on them (== 1, % 16) would
 # recompile the kernel for new lengths and buys nothing, since they only enter masks and loop bounds
-@triton.jit(do_not_specialize=["Nq", "Nk", "left", "right", "sink_tokens"])
+@triton.jit(do_not_specialize=["Nq", "Nk", "left", "right", "sink_tokens", "chunk"])
 def _forward(
         Q, K, V, Sinks, Out, Lse, CuQ, CuK, QDescale, KDescale, VDescale,
         stride_q, stride_k, stride_v, stride_o, stride_lse,
-        group, Nq, Nk, left, right, sink_tokens, qk_scale, stride_ds,
+        group, Nq, Nk, left, right, sink_tokens, chunk, qk_scale, softcap, stride_ds,
         HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        PACK: tl.constexpr, MASK: tl.constexpr, FLAT: tl.constexpr, HALVES: tl.constexpr, PRECISION: tl.constexpr):
+        PACK: tl.constexpr, MASK: tl.constexpr, FLAT: tl.constexpr, HALVES: tl.constexpr, PRECISION: tl.constexpr,
+        SOFTCAP: tl.constexpr):
     """Grid ``(Hq // PACK, n_tiles, B)``, its first two axes swapped where :func:`tiles_fastest`.
 
     Dense (CuQ, CuK None): Q: (B, Hq, Nq, HEAD_DIM); K: (B, Hkv, Nk, HEAD_DIM); V: (B, Hkv, Nk, VALUE_DIM);
@@ -132,8 +134,8 @@ def _forward(
     covers the longest sequence and the tiles past a shorter one exit at once; Nq, Nk are unused.
     ``stride_x``: the (batch, head, row) strides of x, whose last stride is 1; stride_lse: (batch, head),
     unit row stride. Hkv = Hq // group. Sinks: None or (Hq,) float32 learned sink logits.
-    qk_scale = scale * log2(e) > 0. ``left``, ``right``, ``sink_tokens`` and MASK: the pattern
-    (:mod:`gstar.kernels.common.rule`).
+    ``qk_scale``, ``softcap`` and SOFTCAP: the score factors of :func:`softcap_args` (qk_scale > 0).
+    ``left``, ``right``, ``sink_tokens``, ``chunk`` and MASK: the pattern (:mod:`gstar.kernels.common.rule`).
     FP8 inputs (float8_e4m3fn Q and K; V widened to bfloat16 before the launch, so that ``P V`` runs in
     bfloat16): QDescale, KDescale, VDescale and ``stride_ds`` the descales as :func:`load_descales` takes
     them, Out bfloat16, float16 or float32; else the three are None.
@@ -150,7 +152,7 @@ def _forward(
     # Heads vary fastest, so the query heads of a GQA group run side by side and share K/V through L2, or
     # without mask bounds one head's tiles do, each of which reads all of that head's K/V; tiles run last to
     # first, so under a causal mask the longest rows start first and short ones fill in.
-    HEAD_AXIS: tl.constexpr = 1 if tiles_fastest(MASK.has_left, MASK.has_right) else 0
+    HEAD_AXIS: tl.constexpr = 1 if tiles_fastest(MASK.has_left or MASK.has_chunk, MASK.has_right) else 0
     h0 = tl.program_id(HEAD_AXIS) * PACK  # first query head of this tile
     tile = tl.num_programs(1 - HEAD_AXIS) - 1 - tl.program_id(1 - HEAD_AXIS)
     b = tl.program_id(2).to(tl.int64)  # 64-bit offsets from here on: one head's offset may pass 2^31
@@ -160,9 +162,12 @@ def _forward(
     if VARLEN:  # tiles past a shorter packed sequence (a dense grid has none: no branch around the body)
         if row_start >= Nq:
             return
-    seq_rule = rule(Nq, Nk, left, right, sink_tokens, MASK)
+    seq_rule = rule(Nq, Nk, left, right, sink_tokens, chunk, MASK)
     h_kv = (h0 // group).to(tl.int64)
-    qk_scale, v_descale = load_descales(QDescale, KDescale, VDescale, b, h_kv, stride_ds, qk_scale)
+    if SOFTCAP:  # the descales scale the raw scores, inside the tanh
+        softcap, v_descale = load_descales(QDescale, KDescale, VDescale, b, h_kv, stride_ds, softcap)
+    else:
+        qk_scale, v_descale = load_descales(QDescale, KDescale, VDescale, b, h_kv, stride_ds, qk_scale)
 
     R: tl.constexpr = BLOCK_M // 2 if HALVES else BLOCK_M  # rows per softmax state
     offs_m = tl.arange(0, R)
@@ -191,8 +196,9 @@ def _forward(
             acc, m_i, l_i, acc2, m2, l2 = _attend_blocks(
                 acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2, k_ptrs=k_ptrs, v_ptrs=v_ptrs,
                 stride_kn=stride_k[2], stride_vn=stride_v[2], offs_n=offs_n, block_lo=lo, block_hi=hi,
-                qk_scale=qk_scale, rule=seq_rule, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM, BLOCK_N=BLOCK_N,
-                MASKED=s != 2, MAY_BE_EMPTY=Sinks is None, PRECISION=PRECISION, HALVES=HALVES)
+                qk_scale=qk_scale, softcap=softcap, rule=seq_rule, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
+                BLOCK_N=BLOCK_N, MASKED=s != 2, MAY_BE_EMPTY=Sinks is None, PRECISION=PRECISION, HALVES=HALVES,
+                SOFTCAP=SOFTCAP)
 
     if VDescale is not None:  # v's descale: one multiply of the finished tile
         acc, acc2 = acc * v_descale, acc2 * v_descale
@@ -219,11 +225,11 @@ class _Plan(NamedTuple):
 
 @functools.lru_cache(maxsize=256)
 def _plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tuple, v_shape: tuple, v_stride: tuple,
-          dtype: torch.dtype, device: torch.device, pattern: Pattern, scale: float, seqs: int | None,
+          dtype: torch.dtype, device: torch.device, pattern: Pattern, scale: float, softcap: float, seqs: int | None,
           config: tuple | None, precision: str) -> _Plan:
-    """The launch of one layout (shapes, strides, dtype, pattern; ``seqs``: the number of packed sequences,
-    None for a dense batch; ``config``: the caller's overrides as sorted items). A cache hit costs a few
-    us, where deriving the launch costs tens at every call, more than a small layer's GPU time."""
+    """The launch of one layout (shapes, strides, dtype, pattern, score factors; ``seqs``: the number of packed
+    sequences, None for a dense batch; ``config``: the caller's overrides as sorted items). A cache hit costs a
+    few us, where deriving the launch costs tens at every call, more than a small layer's GPU time."""
     B, Hq, Nq, D = q_shape
     Hkv, Nk, Dv = k_shape[1], k_shape[2], v_shape[3]
     varlen = seqs is not None
@@ -233,27 +239,28 @@ def _plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tuple, v_sh
     pack = math.gcd(cfg["PACK_GQA"], Hq // Hkv, block_m)
     rows = block_m // pack  # positions per tile and head
     grid = (Hq // pack, cdiv(pattern.nq, rows), seqs if varlen else B)
-    if tiles_fastest(pattern.left >= 0, pattern.right >= 0):  # the kernel reads its grid axes by the same rule
+    if tiles_fastest(pattern.has_left, pattern.right >= 0):  # the kernel reads its grid axes by the same rule
         grid = (grid[1], grid[0], grid[2])
     q_s, k_s, v_s = (batch_strides(s, varlen) for s in (q_stride, k_stride, v_stride))
     args = dict(stride_q=q_s, stride_k=k_s, stride_v=v_s, stride_lse=(0 if varlen else Hq * Nq, Nq),
-                group=Hq // Hkv, Nq=Nq, Nk=Nk, **bounds(pattern), qk_scale=scale * LOG2E.value)
+                group=Hq // Hkv, Nq=Nq, Nk=Nk, **bounds(pattern), **softcap_args(scale, softcap))
     return _Plan(grid, args, constexprs(
         HEAD_DIM=D, VALUE_DIM=Dv, BLOCK_M=block_m, BLOCK_N=block_n, PACK=pack, MASK=mask(pattern),
-        FLAT=bool(cfg["FLAT"]), HALVES=bool(cfg["HALVES"]), PRECISION=precision, num_warps=cfg["num_warps"],
+        FLAT=bool(cfg["FLAT"]), HALVES=bool(cfg["HALVES"]), PRECISION=precision, SOFTCAP=softcap > 0,
+        num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"]))
 
 
 def forward(q, k, v, sinks, out, lse, pattern: Pattern, scale: float, config: dict | None = None, cu_seqlens=None,
-            descale=None) -> None:
+            descale=None, softcap: float = 0.0) -> None:
     """Fill ``out`` and ``lse`` with the portable kernel, for the calls of
     :func:`gstar.kernels.dispatch.attention_forward` (shapes as it takes them; scale > 0; an FP8 call's V already
     widened). ``config`` overrides :func:`forward_config` (same keys; missing switches take its defaults), for
     tests and tuning; ``PACK_GQA`` is a request that shrinks to the largest power of two dividing the GQA group."""
     varlen = cu_seqlens is not None
     plan = _plan(q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, pattern, scale,
-                 cu_seqlens[0].shape[0] - 1 if varlen else None, tuple(sorted(config.items())) if config else None,
-                 dot_precision(q.dtype))
+                 softcap, cu_seqlens[0].shape[0] - 1 if varlen else None,
+                 tuple(sorted(config.items())) if config else None, dot_precision(q.dtype))
     cu_q, cu_k = cu_seqlens if varlen else (None, None)
     launch(_forward, plan.grid, {**plan.args, "Q": q, "K": k, "V": v, "Sinks": sinks, "Out": out, "Lse": lse,
                                  "CuQ": cu_q, "CuK": cu_k, "stride_o": batch_strides(out.stride(), varlen),

@@ -64,10 +64,12 @@ _FORWARD_FLAT_NARROW = True
 
 
 def _band_width(pattern: Pattern) -> int | None:
-    """Keys a row's window band spans (``left + right + 1``); None when either side is unbounded."""
-    if pattern.left < 0 or pattern.right < 0:
-        return None
-    return pattern.left + pattern.right + 1
+    """Keys a row's band spans at most: the window's ``left + right + 1``, or its chunk's if narrower; None when
+    neither bounds it."""
+    band = None if pattern.left < 0 or pattern.right < 0 else pattern.left + pattern.right + 1
+    if pattern.chunk:
+        band = min(band or pattern.chunk, pattern.chunk)
+    return band
 
 
 def width(head_dim: int, value_dim: int | None = None) -> int:

@@ -357,7 +357,7 @@ def _backward_sm90(q_desc, k_desc, v_desc, do_desc, dqa_desc, DK, DV, Lse2, Delt
     part = (h_first % GROUP) // HEADS
     b = gl.program_id(2)
     key0 = tile * BLOCK_N
-    seq_rule = rule(Nq, Nk, 0, right, 0, MASK)
+    seq_rule = rule(Nq, Nk, 0, right, 0, 0, MASK)
     tiles = q_tiles(seq_rule, key0, ROWS, BLOCK_N)
     m_start, full_start, full_end, m_end = tiles.start, tiles.full_start, tiles.full_end, tiles.end
     n_m = m_end - m_start
@@ -433,8 +433,9 @@ def backward(q, k, v, dout, dk, dv, dqa, lse2, delta, sinks, pattern: Pattern, s
     D); lse2, delta: (B, Hq, Nq) float32 contiguous, the base-2 LSE and ``rowsum(dO * O) - dLSE`` (the dQ
     kernel's statistics, :func:`gstar.kernels.portable.backward.statistics`); sinks: None or (Hq,) float32
     learned sink logits. deterministic: each dQ tile's adds in descending KV-tile order. Returns None, or with
-    sinks ``sum_rows exp(sinks - lse) * rowsum(P * dP)``, (Hq,) float32 summed in a fixed order: dsinks is minus it plus the LSE gradient's term. It sums P * dP
-    rather than taking delta, whose O is rounded to the input dtype."""
+    sinks ``sum_rows exp(sinks - lse) * rowsum(P * dP)``, (Hq,) float32 summed in a fixed order: dsinks is minus
+    it plus the LSE gradient's term. It sums P * dP rather than taking delta, whose O is rounded to the input
+    dtype."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     group = Hq // Hkv
