@@ -12,6 +12,7 @@ import torch
 
 import gstar
 from gstar import ops
+from gstar.pattern import span_bounds
 
 PATTERNS = {  # id: ((left, right, sink_tokens, chunk), softcap)
     "full": ((-1, -1, 0, 0), 0.0),
@@ -20,8 +21,9 @@ PATTERNS = {  # id: ((left, right, sink_tokens, chunk), softcap)
 }
 # opcheck takes ~20 s a case on two CPU cores: the quick tier checks the case with every option on, the
 # full suite (pytest --full) every pattern with and without sinks
+QUICK_CASE = ("causal_window_sink_tokens_chunk_softcap", True)  # with spans too (test_opcheck_dense)
 OPCHECK_CASES = [pytest.param(p, s, id=f"{p}-{'sinks' if s else 'nosinks'}",
-                              marks=() if (p, s) == ("causal_window_sink_tokens_chunk_softcap", True) else pytest.mark.slow)
+                              marks=() if (p, s) == QUICK_CASE else pytest.mark.slow)
                  for p in PATTERNS for s in (False, True)]
 
 
@@ -59,21 +61,22 @@ def _options(pattern, q, k, backend, max_lengths=None) -> tuple:
     return ([*(max_lengths or (q.shape[2], k.shape[2])), *bounds], 0.3, softcap, backend, True)
 
 
-def _opcheck(q, k, v, s, cu_q, cu_k, options):
+def _opcheck(q, k, v, s, cu_q, cu_k, options, spans=None):
     """opcheck of the forward op, then of the backward op on its output, with and without dlse."""
-    args = (q, k, v, s, cu_q, cu_k, *options)
+    args = (q, k, v, s, cu_q, cu_k, spans, *options)
     torch.library.opcheck(ops.forward_op, args)
     out, lse = ops.forward_op(*args)
     for dlse in (None, torch.randn_like(lse)):
         torch.library.opcheck(ops.backward_op, (torch.randn_like(out), out.detach(), lse.detach(), dlse,
-                                                *_detached(q, k, v, s), cu_q, cu_k, *options))
+                                                *_detached(q, k, v, s), cu_q, cu_k, spans, *options))
 
 
 @pytest.mark.parametrize("pattern,sinks", OPCHECK_CASES)
 def test_opcheck_dense(pattern, sinks, device):
     for backend in _backends(device):
         q, k, v, s = _dense(device, sinks)
-        _opcheck(q, k, v, s, None, None, _options(pattern, q, k, backend))
+        spans = span_bounds(torch.randint(0, 3, (q.shape[0], k.shape[2]), device=device)) if sinks else None
+        _opcheck(q, k, v, s, None, None, _options(pattern, q, k, backend), spans)
 
 
 @pytest.mark.parametrize("pattern,sinks", OPCHECK_CASES)
@@ -91,9 +94,9 @@ def test_fake_outputs_match_real_layouts(device):
     s = torch.randn(4, device=device, dtype=torch.bfloat16)
     qp, kp, vp, _, cu_q, cu_k, max_q, max_k = _packed(device, False)
     kp, vp = (torch.cat([t, t], dim=1)[:, ::2] for t in (kp.detach(), vp.detach()))  # strided heads
-    cases = [((q, k, v, s, None, None), _options("full", q, k, backend))
+    cases = [((q, k, v, s, None, None, None), _options("full", q, k, backend))
              for backend in _backends(device)]
-    cases += [((qp.detach(), kp, vp, s, cu_q, cu_k), _options("full", qp, kp, backend, (max_q, max_k)))
+    cases += [((qp.detach(), kp, vp, s, cu_q, cu_k, None), _options("full", qp, kp, backend, (max_q, max_k)))
               for backend in _backends(device)]
     for tensors, options in cases:
         real = ops.forward_op(*tensors, *options)

@@ -21,7 +21,7 @@ from gstar.lab.accuracy import relative_error, verdict
 from gstar.kernels import attention_backward, card
 from gstar.kernels.portable import tiles
 from gstar.kernels.portable.tiles import backward_config
-from gstar.pattern import Pattern
+from gstar.pattern import Pattern, span_bounds
 from gstar.reference import naive_attention
 from tiers import grid
 
@@ -215,10 +215,11 @@ def _op_cases(device, backend):
     lengths = [5, 0, 19, 1]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
     total = sum(lengths)
+    spans = span_bounds(torch.randint(0, 3, (total,), device=device), cu)                     # (total, 2)
     packed = (torch.randn(total, 4, 24, device=device), torch.randn(total, 2, 24, device=device),
-              torch.randn(total, 2, 40, device=device), s, cu, cu)
+              torch.randn(total, 2, 40, device=device), s, cu, cu, spans)
     options = (0.3, 1.5, backend, True)  # scale, softcap, backend, deterministic; the pattern's fields before them
-    return [((q, k, v, s, None, None), ([29, 29, 5, 0, 2, 7], *options)),
+    return [((q, k, v, s, None, None, None), ([29, 29, 5, 0, 2, 7], *options)),
             (packed, ([max(lengths), max(lengths), 5, 0, 2, 7], *options))]
 
 

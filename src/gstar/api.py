@@ -11,6 +11,7 @@ import torch
 
 from . import checks, fp8, ops
 from .checks import check_cu_seqlens_values  # public: gstar.check_cu_seqlens_values
+from .pattern import span_bounds
 
 __all__ = ["check_cu_seqlens_values", "flash_attention", "flash_attention_varlen", "normalize", "normalize_varlen",
            "tiled_attention"]
@@ -34,8 +35,8 @@ def normalize(q, k, v, *, causal, window, sink_tokens, sinks, scale, backend, re
 
 
 def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, sinks=None, scale=None,
-                    softcap=0.0, chunk=0, return_lse=False, backend="auto", q_descale=None, k_descale=None,
-                    v_descale=None, out_dtype=None, deterministic=True):
+                    softcap=0.0, chunk=0, spans=None, return_lse=False, backend="auto", q_descale=None,
+                    k_descale=None, v_descale=None, out_dtype=None, deterministic=True):
     """Exact attention, memory-efficient, differentiable in q, k, v, sinks and the returned LSE.
 
     Args:
@@ -51,6 +52,13 @@ def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
         chunk: chunked local attention (Llama 4's ``attention_chunk_size``), ``0`` = none: key ``j`` visible
             only if ``j // chunk == p(i) // chunk``, the query's own chunk of positions, with every other
             condition still applying (a causal chunked layer: ``causal=True, chunk=C``).
+        spans: bidirectional spans (Gemma 3's image tokens, a prefix-LM's prefix), ``(B, Nk)`` integer ids per
+            key position: a maximal run of positions holding one nonzero id is a span (``0``: in no span; HF's
+            ``token_type_ids`` for image tokens are such ids), whose keys escape the right bound (causality) of
+            its queries, query ``i`` belonging to the span of position ``p(i)``: under a causal mask a span is
+            all-to-all; the left bounds (window, chunk) still apply, as in Gemma 3's sliding layers. Ids per position rather than a list of
+            ranges: they convert to each position's span bounds on the device (no sync), which the kernels read
+            in two loads per tile, and spans can neither overlap nor leave the sequence.
         sinks: ``(Hq,)`` learned sink logits (GPT-OSS ``s_aux``), any float dtype, added to each row's
             softmax denominator as ``exp(sinks[h])`` (not scaled). Gradients flow to them, in their dtype.
         scale: multiplies ``q . k``; default ``D ** -0.5``.
@@ -88,27 +96,30 @@ def flash_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
     """
     options = normalize(q, k, v, causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks,
                         scale=scale, backend=backend, return_lse=return_lse, softcap=softcap, chunk=chunk)
+    checks.check_spans(spans, (q.shape[0], k.shape[2]), "(B, Nk)", q.device)
+    bounds = None if spans is None else span_bounds(spans)                        # (B, Nk, 2)
     checks.check_bool("deterministic", deterministic)
     options = options._replace(deterministic=deterministic)
     quantized = fp8.check(q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                           out_dtype=out_dtype, sinks=sinks, scale=options.scale, batch=q.shape[0],
                           kv_heads=k.shape[1], backend=options.backend)
     if quantized:
-        out, lse = ops.attention_fp8(q, k, v, sinks, options, *quantized)
+        out, lse = ops.attention_fp8(q, k, v, sinks, options, *quantized, spans=bounds)
     else:
-        out, lse = ops.attention(q, k, v, sinks, options)
+        out, lse = ops.attention(q, k, v, sinks, options, spans=bounds)
     return (out, lse) if return_lse else out
 
 
 def tiled_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, sinks=None, scale=None,
-                    softcap=0.0, chunk=0, return_lse=False):
+                    softcap=0.0, chunk=0, spans=None, return_lse=False):
     """FlashAttention in plain PyTorch: ``flash_attention(..., backend="torch")``.
 
     Same arguments, shapes, rule and autograd as :func:`flash_attention`, on any device; also accepts
     float64 (for ``torch.autograd.gradcheck``). Never builds an Nq x Nk matrix: peak memory is linear in N.
     """
     return flash_attention(q, k, v, causal=causal, window=window, sink_tokens=sink_tokens, sinks=sinks,
-                           scale=scale, softcap=softcap, chunk=chunk, return_lse=return_lse, backend="torch")
+                           scale=scale, softcap=softcap, chunk=chunk, spans=spans, return_lse=return_lse,
+                           backend="torch")
 
 
 def normalize_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, window,
@@ -150,7 +161,7 @@ def normalize_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                            window=(-1, -1), sink_tokens=0, sinks=None, scale=None, softcap=0.0, chunk=0,
-                           return_lse=False, backend="auto", check_cu_seqlens=True, q_descale=None,
+                           spans=None, return_lse=False, backend="auto", check_cu_seqlens=True, q_descale=None,
                            k_descale=None, v_descale=None, out_dtype=None):
     """Attention over packed variable-length sequences (the flash-attn varlen convention).
 
@@ -182,7 +193,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             ``total_q`` / ``total_k`` last. Zero-length sequences are allowed.
         max_seqlen_q, max_seqlen_k: ints at least the longest query / key sequence.
         causal, window, sink_tokens, chunk, sinks, scale, softcap, backend: as in :func:`flash_attention`
-            (positions and chunks count from each sequence's start); ``sinks`` is
+            (positions and chunks count from each sequence's start); ``spans`` is ``(total_k,)``, one id per packed
+            key, no span crossing a sequence's end; ``sinks`` is
             ``(Hq,)`` and joins every row's softmax denominator in every sequence.
         return_lse: also return the LSE as ``(Hq, total_q)`` float32 (heads first, flash-attn's varlen
             convention, not ``(total_q, Hq)``); ``-inf`` (or ``sinks[h]``) for rows that see no key.
@@ -204,11 +216,13 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, window=window,
         sink_tokens=sink_tokens, sinks=sinks, scale=scale, backend=backend, return_lse=return_lse,
         check_cu_seqlens=check_cu_seqlens, softcap=softcap, chunk=chunk)
+    checks.check_spans(spans, (k.shape[0],), "(total_k,)", q.device)
+    bounds = None if spans is None else span_bounds(spans, cu_seqlens_k)         # (total_k, 2)
     quantized = fp8.check(q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                           out_dtype=out_dtype, sinks=sinks, scale=options.scale, batch=cu_seqlens_q.shape[0] - 1,
                           kv_heads=k.shape[1], backend=options.backend)
     if quantized:
-        out, lse = ops.attention_fp8(q, k, v, sinks, options, *quantized, cu_seqlens_q, cu_seqlens_k)
+        out, lse = ops.attention_fp8(q, k, v, sinks, options, *quantized, cu_seqlens_q, cu_seqlens_k, spans=bounds)
     else:
-        out, lse = ops.attention(q, k, v, sinks, options, cu_seqlens_q, cu_seqlens_k)
+        out, lse = ops.attention(q, k, v, sinks, options, cu_seqlens_q, cu_seqlens_k, spans=bounds)
     return (out, lse) if return_lse else out

@@ -185,6 +185,20 @@ def check_options(q, Hq: int, D: int, Dv: int, *, causal, window, sink_tokens, s
                     float(softcap), backend)
 
 
+def check_spans(spans, shape: tuple, name_of_shape: str, device: torch.device):
+    """Span ids: None, or an integer tensor of ``shape`` (one id per key position) on ``device``."""
+    if spans is None:
+        return
+    check_tensor("spans", spans, len(shape))
+    if spans.dtype.is_floating_point or spans.dtype.is_complex:
+        raise TypeError(f"spans must be an integer or bool tensor of span ids, got {spans.dtype}")
+    if tuple(spans.shape) != tuple(shape):
+        raise ValueError(f"spans must be {name_of_shape} = {tuple(shape)} (one id per key position), got "
+                         f"{tuple(spans.shape)}")
+    if spans.device != device:
+        raise ValueError(f"spans must be on q's device {device}, got {spans.device}")
+
+
 def _finite(x: numbers.Real) -> bool:
     try:
         return math.isfinite(x)

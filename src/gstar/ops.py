@@ -40,6 +40,7 @@ class Inputs(NamedTuple):
     sinks: torch.Tensor | None               # (Hq,) learned sink logits, any float dtype
     cu_seqlens_q: torch.Tensor | None        # (num_seqs + 1,) int32 when packed, else None
     cu_seqlens_k: torch.Tensor | None
+    spans: torch.Tensor | None = None        # the keys' span bounds (B, Nk, 2), packed (total_k, 2), int32
 
 
 class Options(NamedTuple):
@@ -56,7 +57,8 @@ class Options(NamedTuple):
 # ints (Pattern.fields), the scale, the soft-cap, the backend and the determinism flag. _op_args and _named are
 # the only code that knows these positions.
 _OPTION_ARGS = "SymInt[] pattern, float scale, float softcap, str backend, bool deterministic"
-_ARGS = f"Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, {_OPTION_ARGS}"
+_ARGS = (f"Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, Tensor? spans, "
+         f"{_OPTION_ARGS}")
 
 
 def _op_args(inputs: Inputs, options: Options) -> tuple:
@@ -67,8 +69,8 @@ def _op_args(inputs: Inputs, options: Options) -> tuple:
 
 def _named(args: tuple) -> tuple[Inputs, Options]:
     """The operators' positional arguments to names (the inverse of :func:`_op_args`)."""
-    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, pattern, scale, softcap, backend, deterministic = args
-    return (Inputs(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k),
+    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, spans, pattern, scale, softcap, backend, deterministic = args
+    return (Inputs(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, spans),
             Options(Pattern.from_fields(pattern), scale, backend, deterministic, softcap))
 
 
@@ -118,7 +120,7 @@ def run_forward(inputs: Inputs, options: Options, descale: tuple | None = None,
     contiguous), and lse, (B, Hq, Nq) or packed (Hq, total_q), float32 (float64 for float64 inputs).
     FP8 inputs (forward only): ``descale`` the descales of q, k and v, each None or (B or num_seqs, Hkv)
     float32 (:func:`gstar.fp8.check`), and out in ``out_dtype``; the PyTorch path runs on the dequantised inputs."""
-    q, k, v, sinks, cu_q, cu_k = inputs
+    q, k, v, sinks, cu_q, cu_k, spans = inputs
     fp8_kernel = {}
     if descale is not None:
         if options.backend == "torch":
@@ -135,7 +137,8 @@ def run_forward(inputs: Inputs, options: Options, descale: tuple | None = None,
     else:
         forward_fn, _ = _backend_fns(options.backend)
         out, lse = forward_fn(q, k, v, _stat_sinks(sinks, q), options.pattern, options.scale,
-                              softcap=options.softcap, cu_seqlens=(cu_q, cu_k) if packed else None, **fp8_kernel)
+                              softcap=options.softcap, cu_seqlens=(cu_q, cu_k) if packed else None, spans=spans,
+                              **fp8_kernel)
     return (_packed(out), lse[0]) if packed else (out, lse)
 
 
@@ -144,7 +147,7 @@ def run_backward(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dlse:
     """Gradients ``(dq, dk, dv, dsinks)`` of :func:`run_forward` for the upstream ``dout`` (out's shape, unit
     last stride) and ``dlse`` (lse's shape, or None): dq, dk, dv in the layouts of q, k, v (packed:
     contiguous), dsinks ``(Hq,)`` float32 (float64 for float64 inputs), None without sinks."""
-    q, k, v, sinks, cu_q, cu_k = inputs
+    q, k, v, sinks, cu_q, cu_k, spans = inputs
     packed = cu_q is not None
     if packed:
         dout, q, k, v, out = (_heads_first(t) for t in (dout, q, k, v, out))        # (1, H, total, D or Dv)
@@ -152,7 +155,8 @@ def run_backward(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dlse:
     _, backward_fn = _backend_fns(options.backend)
     dq, dk, dv, dsinks = backward_fn(dout, q, k, v, out, lse, dlse, _stat_sinks(sinks, q), options.pattern,
                                      options.scale, softcap=options.softcap,
-                                     cu_seqlens=(cu_q, cu_k) if packed else None, deterministic=options.deterministic)
+                                     cu_seqlens=(cu_q, cu_k) if packed else None,
+                                     deterministic=options.deterministic, spans=spans)
     if packed:
         dq, dk, dv = (_packed(g) for g in (dq, dk, dv))
     return dq, dk, dv, dsinks
@@ -249,7 +253,7 @@ def _gradients(ctx, dout, dlse) -> Inputs:
     dq, dk, dv, dsinks = ctx.backward(dout, out, lse, dlse, inputs, ctx.options)
     sinks = inputs.sinks
     return Inputs(q=dq, k=dk, v=dv, sinks=None if sinks is None else sink_gradient(sinks, dsinks).to(sinks.dtype),
-                  cu_seqlens_q=None, cu_seqlens_k=None)
+                  cu_seqlens_q=None, cu_seqlens_k=None, spans=None)
 
 
 def _backward_through_op(dout, out, lse, dlse, inputs: Inputs, options: Options):
@@ -270,8 +274,8 @@ class _Eager(torch.autograd.Function):
     dispatch, which costs more host time per call than a small kernel takes on the GPU."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, options: Options):
-        inputs = Inputs(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k)
+    def forward(ctx, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, spans, options: Options):
+        inputs = Inputs(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, spans)
         output = run_forward(inputs, options)
         _save(ctx, inputs, options, output, run_backward)
         return output
@@ -281,19 +285,21 @@ class _Eager(torch.autograd.Function):
         return (*_gradients(ctx, dout, dlse), None)  # None: options
 
 
-def attention_fp8(q, k, v, sinks, options: Options, descale, out_dtype, cu_seqlens_q=None, cu_seqlens_k=None):
+def attention_fp8(q, k, v, sinks, options: Options, descale, out_dtype, cu_seqlens_q=None, cu_seqlens_k=None,
+                  spans=None):
     """``(out, lse)`` of validated FP8 inputs (forward only): the ``gstar::attention_forward_fp8`` operator
     while ``torch.compile`` traces, :func:`run_forward` otherwise."""
-    inputs = Inputs(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k)
+    inputs = Inputs(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, spans)
     if torch.compiler.is_compiling():
         return fp8_forward_op(*_op_args(inputs, options), descale, out_dtype)
     return run_forward(inputs, options, descale, out_dtype)
 
 
-def attention(q, k, v, sinks, options: Options, cu_seqlens_q=None, cu_seqlens_k=None):
+def attention(q, k, v, sinks, options: Options, cu_seqlens_q=None, cu_seqlens_k=None, spans=None):
     """``(out, lse)`` of validated inputs, differentiable in q, k, v, sinks and lse (shapes as in
-    :class:`Inputs` and :func:`run_forward`): the ``gstar::attention_forward`` operator while
+    :class:`Inputs` and :func:`run_forward`; ``spans``: span bounds, :func:`gstar.pattern.span_bounds`): the
+    ``gstar::attention_forward`` operator while
     ``torch.compile`` traces, the same functions through a plain ``autograd.Function`` otherwise."""
     if torch.compiler.is_compiling():
-        return forward_op(*_op_args(Inputs(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k), options))
-    return _Eager.apply(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, options)
+        return forward_op(*_op_args(Inputs(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, spans), options))
+    return _Eager.apply(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, spans, options)

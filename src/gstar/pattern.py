@@ -7,7 +7,10 @@ module which keys a query sees. The rule, with ``p(i) = i + (Nk - Nq)`` (bottom-
                  and [left  < 0  or  j >= p(i) - left  or  j < sink_tokens]
                  and [chunk = 0  or  p(i) >= 0  and  j < end(p(i))  and  (j >= start(p(i))  or  j < sink_tokens)]
 
-with ``start(p) = p // chunk * chunk`` and ``end(p) = start(p) + chunk``: the query's own chunk of keys.
+with ``start(p) = p // chunk * chunk`` and ``end(p) = start(p) + chunk``: the query's own chunk of keys. Spans
+(bidirectional runs of positions, :func:`span_bounds`) lift the right bound: its condition becomes
+``j <= p(i) + right  or  span(p(i)) contains j``. They are data of each sequence, not fields of the pattern, so
+the block walks of the kernels widen their bands by them on the device.
 
 ``causal=True`` is ``right = 0``. Drawn for Nq = 4, Nk = 6 (offset 2), window (2, 0), one sink token::
 
@@ -102,15 +105,20 @@ class Pattern:
         """p(i) - i: how far query row i sits after the start of the keys."""
         return self.nk - self.nq
 
-    def visible(self, rows, cols, nk=None):
+    def visible(self, rows, cols, nk=None, spans=None):
         """The rule itself; ``rows`` and ``cols`` are ints or broadcastable integer tensors. ``nk`` (default
         ``self.nk``) may be a tensor too: the key counts of sequences that share every other field (a decode
-        batch whose caches hold different lengths)."""
+        batch whose caches hold different lengths). ``spans``: the :func:`span_bounds` of the keys, ``(..., Nk,
+        2)``, with ``rows`` an ``(R, 1)`` and ``cols`` a ``(1, C)`` tensor: the result is ``(..., R, C)``, each
+        position's span lifting the right bound (the left bounds still apply)."""
         nk = self.nk if nk is None else nk
         pos = rows + nk - self.nq
         ok = (rows >= 0) & (rows < self.nq) & (cols >= 0) & (cols < nk)
-        if self.right >= 0:
-            ok = ok & (cols <= pos + self.right)
+        if self.right >= 0 or spans is not None:
+            near = cols <= pos + self.right if self.right >= 0 else cols >= 0
+            if spans is not None:  # the span of p(i) escapes the right bound
+                near = near | in_span(spans, pos, cols)
+            ok = ok & near
         if self.left >= 0:
             ok = ok & ((cols >= pos - self.left) | (cols < self.sink_tokens))
         if self.chunk > 0:  # the query's own chunk (a row before the keys, p(i) < 0, has none)
@@ -118,12 +126,13 @@ class Pattern:
             ok = ok & (pos >= 0) & (cols < start + self.chunk) & ((cols >= start) | (cols < self.sink_tokens))
         return ok
 
-    def mask(self, device=None, nk=None) -> torch.Tensor:
+    def mask(self, device=None, nk=None, spans=None) -> torch.Tensor:
         """The full ``(Nq, Nk)`` boolean mask (for oracles and tests only: it is quadratic); ``nk`` as in
-        :meth:`visible` (a ``(B, 1, 1, 1)`` tensor of key counts gives ``(B, 1, Nq, Nk)``)."""
+        :meth:`visible` (a ``(B, 1, 1, 1)`` tensor of key counts gives ``(B, 1, Nq, Nk)``); ``spans`` (B, Nk, 2)
+        gives ``(B, Nq, Nk)``."""
         rows = torch.arange(self.nq, device=device)[:, None]
         cols = torch.arange(self.nk, device=device)[None, :]
-        return self.visible(rows, cols, nk)
+        return self.visible(rows, cols, nk, spans)
 
     def visible_pairs(self) -> int:
         """The number of visible (i, j) pairs, counted per row in O(Nq) (for FLOP counts)."""
@@ -157,6 +166,38 @@ class Pattern:
     def has_left(self) -> bool:
         """Whether some bound hides keys on the left (a window's, or the chunk's start): sink tokens escape it."""
         return self.left >= 0 or self.chunk > 0
+
+
+def span_bounds(span_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """Each position's span as ``[start, end)``, int32 ``(..., N, 2)``, from span ids per position ``(..., N)``
+    (``(total,)`` packed with ``cu_seqlens``: positions count from each sequence's start, no span crosses a
+    sequence's end). A span is a maximal run of consecutive positions holding one nonzero id; a position of id 0
+    is in none and gets the empty ``[p, p)``. On the device, nothing read on the host."""
+    ids = span_ids.long()
+    n = ids.shape[-1]
+    pos = torch.arange(n, device=ids.device).expand_as(ids)                          # (..., N)
+    first = torch.ones((*ids.shape[:-1], n + 1), dtype=torch.bool, device=ids.device)  # a run starts here
+    first[..., 1:n] = ids[..., 1:] != ids[..., :-1]
+    seq_start = torch.zeros_like(ids)
+    if cu_seqlens is not None:  # runs also start with each sequence (the extra slot takes empty ones at the end)
+        first[cu_seqlens[:-1].long()] = True
+        seq_start = cu_seqlens.long()[torch.searchsorted(cu_seqlens.long(), pos, right=True) - 1]
+    last = first[..., 1:]                                                          # a run ends here
+    first = first[..., :n]
+    start = torch.where(first, pos, 0).cummax(dim=-1).values
+    end = torch.where(last, pos + 1, n).flip(-1).cummin(dim=-1).values.flip(-1)
+    inside = ids != 0
+    bounds = torch.stack((torch.where(inside, start, pos), torch.where(inside, end, pos)), dim=-1)  # (..., N, 2)
+    return (bounds - seq_start[..., None]).to(torch.int32)
+
+
+def in_span(spans: torch.Tensor, pos: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Whether key ``cols`` (1, C) lies in the span of position ``pos`` (R, 1), under the span bounds ``spans``
+    (..., Nk, 2) of the keys: ``(..., R, C)``; a position outside ``[0, Nk)`` has no span."""
+    nk = spans.shape[-2]
+    at = spans[..., pos[:, 0].clamp(0, max(nk - 1, 0)), :]                           # (..., R, 2)
+    inside = ((pos >= 0) & (pos < nk))
+    return inside & (cols >= at[..., :, :1]) & (cols < at[..., :, 1:])
 
 
 # Column meaning of the tables below; the kernels index them by these positions.

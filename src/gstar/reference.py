@@ -14,11 +14,11 @@ import math
 import torch
 
 from .buffers import empty_packed_like, layout_like
-from .pattern import Pattern, capped_sinks, kv_block_table
+from .pattern import Pattern, capped_sinks, cdiv, kv_block_table, span_bounds
 
 
 def naive_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, sinks=None, scale=None, softcap=0.0,
-                    chunk=0):
+                    chunk=0, spans=None):
     """Attention by the definition of docs/design.md section 1, through the whole ``(Nq, Nk)`` score matrix:
     the oracle. Returns ``(out, lse)``.
 
@@ -28,7 +28,8 @@ def naive_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
     (window, ``-1`` unbounded) and ``j // chunk == p(i) // chunk`` (chunk, ``0`` none) with ``j < sink_tokens``
     exempt from the left bounds; the scores ``s = scale * q . k`` become ``softcap * tanh(s / softcap)`` (softcap,
     ``0.0`` none); ``sinks`` join every row's softmax denominator (clamped to +-:data:`gstar.pattern.SINK_LIMIT`);
-    scale defaults to ``D ** -0.5``.
+    scale defaults to ``D ** -0.5``; ``spans`` (B, Nk): the keys' span ids (:func:`gstar.pattern.span_bounds`),
+    a query seeing every key of its position's span.
 
     Matmuls run in the input dtype (this is "PyTorch's own error" of the correctness bar), softmax
     statistics in float32 (float64 for float64 inputs). out: (B, Hq, Nq, Dv) in the input dtype, zeros
@@ -39,7 +40,11 @@ def naive_attention(q, k, v, *, causal=False, window=(-1, -1), sink_tokens=0, si
     Hkv, Nk = k.shape[1], k.shape[2]
     scale = D ** -0.5 if scale is None else scale
     stat = torch.promote_types(q.dtype, torch.float32)
-    visible = Pattern.make(Nq, Nk, causal=causal, window=window, sink_tokens=sink_tokens, chunk=chunk).mask(q.device)
+    spans = None if spans is None else span_bounds(spans)                           # (B, Nk, 2)
+    visible = Pattern.make(Nq, Nk, causal=causal, window=window, sink_tokens=sink_tokens, chunk=chunk).mask(
+        q.device, spans=spans)                                         # (Nq, Nk), or (B, Nq, Nk) with spans
+    if spans is not None:
+        visible = visible[:, None]                                     # (B, 1, Nq, Nk)
     k = k.repeat_interleave(Hq // Hkv, dim=1)                          # (B, Hq, Nk, D)
     v = v.repeat_interleave(Hq // Hkv, dim=1)                          # (B, Hq, Nk, Dv)
     s = (q @ k.transpose(-1, -2)).to(stat) * scale                     # (B, Hq, Nq, Nk)
@@ -68,20 +73,29 @@ def _default_tile(t: torch.Tensor) -> int:
     return GPU_TILE if t.is_cuda else TILE
 
 
-def _tiles(pattern: Pattern, tile: int):
-    """Yield ``(row_start, [(key_block, masked), ...])`` per Q tile, from the pattern's block table."""
+def _tiles(pattern: Pattern, tile: int, spans: torch.Tensor | None = None):
+    """Yield ``(row_start, [(key_block, masked), ...])`` per Q tile, from the pattern's block table, widened by the
+    span of the tile's last row in any sequence of the batch (``spans``: (B, Nk, 2), read here), which lifts the
+    right bound."""
+    bounds = None if spans is None else spans.tolist()
     for t, (sink_end, band_start, full_start, full_end, band_end) in enumerate(
             kv_block_table(pattern, tile, tile).tolist()):
-        blocks = [(b, True) for b in range(sink_end)]
-        blocks += [(b, not full_start <= b < full_end) for b in range(band_start, band_end)]
-        yield t * tile, blocks
+        blocks = {b: True for b in range(sink_end)}
+        blocks.update((b, not full_start <= b < full_end) for b in range(band_start, band_end))
+        pmax = min((t + 1) * tile, pattern.nq) - 1 + pattern.offset
+        if bounds is not None and pattern.right >= 0 and 0 <= pmax:  # masked blocks for the keys spans add
+            for first, end in (seq[pmax] for seq in bounds):
+                for b in range(first // tile, cdiv(end, tile) if end > first else 0):
+                    blocks.setdefault(b, True)
+        yield t * tile, sorted(blocks.items())
 
 
-def _scores(pattern, q_t, k, r0, b, masked, scale, softcap, tile):
+def _scores(pattern, q_t, k, r0, b, masked, scale, softcap, tile, spans=None):
     """Scores of one (Q tile, KV block) pair, scaled and soft-capped, -inf where the rule hides a key.
 
-    q_t: (B, Hkv, G, bm, D) in the statistics dtype; returns the scores (B, Hkv, G, bm, bn), the key slice, and
-    the soft-cap's derivative ``1 - tanh^2`` beside the scores (None without one).
+    q_t: (B, Hkv, G, bm, D) in the statistics dtype; spans: None or the keys' span bounds (B, Nk, 2); returns the
+    scores (B, Hkv, G, bm, bn), the key slice, and the soft-cap's derivative ``1 - tanh^2`` beside the scores
+    (None without one).
     """
     keys = slice(b * tile, min((b + 1) * tile, pattern.nk))
     s = q_t @ k[:, :, None, keys].to(q_t.dtype).transpose(-1, -2) * scale   # (B, Hkv, G, bm, bn)
@@ -92,12 +106,14 @@ def _scores(pattern, q_t, k, r0, b, masked, scale, softcap, tile):
     if masked:
         rows = torch.arange(r0, r0 + q_t.shape[3], device=q_t.device)[:, None]
         cols = torch.arange(keys.start, keys.stop, device=q_t.device)[None, :]
-        s = s.masked_fill(~pattern.visible(rows, cols), -math.inf)
+        visible = pattern.visible(rows, cols, spans=spans)                  # (bm, bn), or (B, bm, bn)
+        s = s.masked_fill(~(visible if spans is None else visible[:, None, None]), -math.inf)
     return s, keys, slope
 
 
 def _sequences(cu_seqlens, pattern: Pattern):
-    """``(query rows, key rows, pattern)`` of each packed sequence; reads ``cu_seqlens`` on the host."""
+    """``(query rows, key rows, pattern)`` of each packed sequence; reads ``cu_seqlens`` on the host (a sequence's
+    span bounds are ``spans[key rows]``, already relative to its start)."""
     cu_q, cu_k = (c.tolist() for c in cu_seqlens)
     for s in range(len(cu_q) - 1):
         rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
@@ -105,12 +121,13 @@ def _sequences(cu_seqlens, pattern: Pattern):
 
 
 def tiled_forward(q, k, v, sinks, pattern: Pattern, scale: float, tile: int | None = None, *, softcap: float = 0.0,
-                  cu_seqlens=None):
+                  cu_seqlens=None, spans=None):
     """Online-softmax forward over tiles. Shapes as in :func:`gstar.kernels.attention_forward`.
 
     q: (B, Hq, Nq, D), k: (B, Hkv, Nk, D), v: (B, Hkv, Nk, Dv), sinks: None or (Hq,). Returns out
     (B, Hq, Nq, Dv) (q's dtype and layout) and lse (B, Hq, Nq) in float32 (float64 for float64 inputs).
-    ``softcap``: the scores' soft-cap (0.0: none).
+    ``softcap``: the scores' soft-cap (0.0: none); ``spans``: None or the keys' span bounds, (B, Nk, 2) (packed:
+    (total_k, 2)).
     With ``cu_seqlens`` (packed heads-first views, B = 1) each sequence runs on its own and out is a view
     of a contiguous packed tensor.
     """
@@ -120,15 +137,16 @@ def tiled_forward(q, k, v, sinks, pattern: Pattern, scale: float, tile: int | No
         out = empty_packed_like(q, width=Dv)
         lse = torch.empty((1, Hq, Nq), dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
         for rows, keys, p in _sequences(cu_seqlens, pattern):
-            out[:, :, rows], lse[:, :, rows] = tiled_forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], sinks,
-                                                             p, scale, tile, softcap=softcap)
+            out[:, :, rows], lse[:, :, rows] = tiled_forward(
+                q[:, :, rows], k[:, :, keys], v[:, :, keys], sinks, p, scale, tile, softcap=softcap,
+                spans=None if spans is None else spans[None, keys])
         return out, lse
     Hkv = k.shape[1]
     tile = tile or _default_tile(q)
     stat = torch.promote_types(q.dtype, torch.float32)
     out = layout_like(q, width=Dv)                                          # (B, Hq, Nq, Dv)
     lse = torch.empty((B, Hq, Nq), dtype=stat, device=q.device)
-    for r0, blocks in _tiles(pattern, tile):
+    for r0, blocks in _tiles(pattern, tile, spans):
         rows = slice(r0, min(r0 + tile, Nq))
         q_t = q[:, :, rows].unflatten(1, (Hkv, -1)).to(stat)                # (B, Hkv, G, bm, D)
         m = torch.full(q_t.shape[:-1], -math.inf, dtype=stat, device=q.device)  # (B, Hkv, G, bm)
@@ -138,7 +156,7 @@ def tiled_forward(q, k, v, sinks, pattern: Pattern, scale: float, tile: int | No
             den.fill_(1.0)
         acc = q_t.new_zeros((*q_t.shape[:-1], Dv))                           # (B, Hkv, G, bm, Dv)
         for b, masked in blocks:
-            s, keys, _ = _scores(pattern, q_t, k, r0, b, masked, scale, softcap, tile)
+            s, keys, _ = _scores(pattern, q_t, k, r0, b, masked, scale, softcap, tile, spans)
             m_new = torch.maximum(m, s.amax(dim=-1))
             m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows still empty
             alpha = torch.exp(m - m_safe)
@@ -154,7 +172,8 @@ def tiled_forward(q, k, v, sinks, pattern: Pattern, scale: float, tile: int | No
 
 
 def tiled_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale: float,
-                   tile: int | None = None, *, softcap: float = 0.0, cu_seqlens=None, deterministic: bool = True):
+                   tile: int | None = None, *, softcap: float = 0.0, cu_seqlens=None, deterministic: bool = True,
+                   spans=None):
     """Backward that recomputes probabilities tile by tile from ``lse``. Returns (dq, dk, dv, dsinks).
     Always deterministic (``deterministic`` is accepted for the Triton backward's signature).
 
@@ -169,7 +188,7 @@ def tiled_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale
         for rows, keys, p in _sequences(cu_seqlens, pattern):
             g = tiled_backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
                                lse[:, :, rows], None if dlse is None else dlse[:, :, rows], sinks, p, scale, tile,
-                               softcap=softcap)
+                               softcap=softcap, spans=None if spans is None else spans[None, keys])
             for grad, part, index in zip(grads, g, (rows, keys, keys)):
                 grad[:, :, index] += part
             if sinks is not None:
@@ -187,7 +206,7 @@ def tiled_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale
     dv = torch.zeros(v.shape, dtype=stat, device=v.device)                  # (B, Hkv, Nk, Dv)
     # dsinks take delta as rowsum(P * dP) - dLSE, as the kernels do: the same value without O's rounding
     pdp = torch.zeros_like(delta)                                           # (B, Hq, Nq)
-    for r0, blocks in _tiles(pattern, tile):
+    for r0, blocks in _tiles(pattern, tile, spans):
         rows = slice(r0, min(r0 + tile, Nq))
         q_t = q[:, :, rows].unflatten(1, (Hkv, -1)).to(stat)                # (B, Hkv, G, bm, D)
         do_t = dout[:, :, rows].unflatten(1, (Hkv, -1)).to(stat)            # (B, Hkv, G, bm, Dv)
@@ -196,7 +215,7 @@ def tiled_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale
         dq_t = torch.zeros_like(q_t)
         pdp_t = pdp[:, :, rows].unflatten(1, (Hkv, -1))                     # (B, Hkv, G, bm), a view
         for b, masked in blocks:
-            s, keys, slope = _scores(pattern, q_t, k, r0, b, masked, scale, softcap, tile)
+            s, keys, slope = _scores(pattern, q_t, k, r0, b, masked, scale, softcap, tile, spans)
             p = torch.exp(s - lse_t)                                         # (B, Hkv, G, bm, bn)
             dv[:, :, keys] += torch.einsum("bhgmn,bhgmd->bhnd", p, do_t)
             dp = do_t @ v[:, :, None, keys].to(stat).transpose(-1, -2)

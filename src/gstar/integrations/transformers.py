@@ -12,16 +12,27 @@ bits vary from run to run), where ``"gstar"`` takes it only for causal layers, i
 everywhere else the two names compute the same. A model call may also
 pass ``deterministic=True / False`` itself (as transformers' flash-attention integration reads it).
 
-Any decoder whose attention is causal + GQA + optional sliding window + optional learned sinks runs exactly:
-GPT-OSS (``s_aux`` becomes ``sinks``, with its gradient), Llama, Qwen2/3, Mistral. The attention function
-takes the model's ``(B, heads, N, head_dim)`` projections and returns ``(B, N, Hq, head_dim)``, as
-transformers expects; the model's ``sliding_window=W`` (W keys, the query's own included) is gstar's
-``window=(W - 1, 0)``.
+Any decoder whose attention is causal (or bidirectional) with GQA and any of a sliding window, learned sinks,
+logit soft-capping and chunked attention runs exactly: GPT-OSS (``s_aux`` becomes ``sinks``, with its
+gradient), Llama, Qwen2/3, Mistral, Gemma 2, Gemma 3 (its text model; its vision-language model too, SigLIP
+tower and image tokens included) and Llama 4's text model. The attention
+function takes the model's ``(B, heads, N, head_dim)`` projections and returns ``(B, N, Hq, head_dim)``, as
+transformers expects. What the model passes becomes gstar's keywords:
 
-Like the flash-attention integrations, no 4-D mask is built. The mask function hands the attention function
-``None`` (every key it gets is a real one), the 2-D padding mask, or, for a layer whose keys include slots
-not yet written (a static cache's preallocated buffer), each sequence's filled length; the attention
-function picks one of four paths:
+- ``sliding_window=W`` (W keys, the query's own included) is ``window=(W - 1, 0)``; ``(W - 1, W - 1)`` in a
+  non-causal layer (Gemma's ``use_bidirectional_attention``);
+- ``softcap`` (Gemma 2's ``attn_logit_softcapping``) is gstar's ``softcap``: the scores ``scaling * q . k``
+  become ``softcap * tanh(s / softcap)`` before the mask; ``scaling`` (Gemma's ``query_pre_attn_scalar ** -0.5``)
+  is gstar's ``scale``;
+- a layer that ``config.layer_types[layer_idx]`` names ``"chunked_attention"`` (Llama 4) takes
+  ``chunk=config.attention_chunk_size`` with its causal rule: a query sees the keys of its own chunk of
+  positions, counted from each sequence's first real token as transformers counts them.
+
+Like the flash-attention integrations, no 4-D mask is built. The mask function reads the mask transformers
+describes (the layer's rule, padding, packed documents, and any overlay the model adds) and hands the
+attention function ``None`` (every key it gets is a real one), the 2-D padding mask, packed documents'
+boundaries, or, for a layer whose keys include slots not yet written (a static cache's preallocated buffer),
+each sequence's filled length; the attention function picks one of four paths:
 
 - plain batch: :func:`gstar.flash_attention` on the tensors as they come (no copies of q, k, v). With fewer
   queries than keys (decoding from a dynamic cache, whose sliding-window layers keep only the window's keys)
@@ -35,19 +46,40 @@ function picks one of four paths:
   mask whose last column holds a zero raises a ``ValueError``). Exact with either cache (a static buffer's
   unwritten slots lie past the mask), but the mask's lengths are read on the host, once per forward pass;
 - packed batch (``cu_seq_lens_q/k`` from a flattening collator, or position ids restarting at 0 inside a
-  row): :func:`gstar.flash_attention_varlen` on the flattened batch, each document attending only to itself.
+  row, which the attention function reads or, in models that do not forward them to it, such as Llama 4,
+  the mask function finds where transformers found documents): :func:`gstar.flash_attention_varlen` on the
+  flattened batch, each document attending only to itself.
+
+transformers' caches keep only the last ``attention_chunk_size - 1`` keys of a chunked layer (its dynamic
+cache's sliding layers; its static cache's rolling buffers), so that past the first chunk the keys no longer
+start at position 0 and gstar, counting chunks from the first key, would misplace their boundaries. The mask
+function then also marks the keys before the first query's chunk, which no query of the step sees, as
+padding: unpadded, each row starts at a chunk boundary, and decoding is exact, at the padded path's cost (a
+host read per forward pass). A cache whose keys start inside the queries' chunk raises a ``ValueError``.
 
 Under ``torch.compile`` the plain, static-cache and ``cu_seq_lens`` paths trace without a host read; a padding
 mask, whose lengths must be read to unpad, breaks the graph there, and position ids are not searched for
-documents (pass ``cu_seq_lens_q/k`` instead).
+documents (pass ``cu_seq_lens_q/k`` instead). Nor can the mask function read a compiled model's mask
+overlays: any ``or_mask_function`` / ``and_mask_function`` or block ids raise there (a bidirectional
+model's overlays excepted),
+as does a mask built for a chunked model's cache layer whose keys start past position 0 (masks that
+``generate`` builds ahead of a step, for a static cache, are built uncompiled).
 
-What the model asks for and gstar cannot do (attention dropout while training, logit soft-capping, custom
-4-D masks) raises a ``ValueError`` naming the feature instead of being silently ignored.
+What the model asks for and gstar cannot do raises a ``ValueError`` naming the feature instead of being
+silently wrong: attention dropout while training; any mask overlay a model lays over its causal mask other than
+bidirectional token blocks; custom 4-D masks; token blocks with packed documents or into a static cache's buffer;
+and, inside :func:`gstar.distributed.context_parallel`, soft-capping, chunked attention and token blocks.
+
+Bidirectional token blocks (Gemma 3's image tokens, PaliGemma's prefix, marked by ``token_type_ids``) reach the
+mask function as a blockwise overlay; their block ids become gstar's ``spans`` (a block's tokens see each other
+both ways; a sliding layer's window still bounds how far back a query looks, as transformers intersects it),
+through plain and padded batches alike.
 """
 
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -59,6 +91,11 @@ try:
     from transformers import AttentionMaskInterface
 except ImportError:
     from transformers.masking_utils import AttentionMaskInterface
+try:
+    from transformers import masking_utils as _masking_utils
+    _MASKS = _masking_utils.__name__  # the module whose mask-function building blocks gstar_mask recognises
+except ImportError:  # releases without it build no mask functions
+    _MASKS = None
 
 from ..api import check_cu_seqlens_values, flash_attention, flash_attention_varlen
 from ..distributed import context as context_parallel
@@ -96,21 +133,35 @@ class _Plans:
 _plans = _Plans()
 
 
+def _layer_chunk(module) -> int:
+    """The chunk size of a chunked-attention layer (Llama 4's ``"chunked_attention"`` layers of
+    ``attention_chunk_size`` tokens), else 0: read from ``module.config.layer_types[module.layer_idx]``, which is
+    how transformers picks the layer's mask."""
+    config = getattr(module, "config", None)
+    layer = getattr(module, "layer_idx", None)
+    types = getattr(config, "layer_types", None)
+    if layer is None or not types or not 0 <= layer < len(types) or types[layer] != "chunked_attention":
+        return 0
+    chunk = getattr(config, "attention_chunk_size", None)
+    if not chunk:
+        raise ValueError(f"layer {layer} is a chunked_attention layer but the config sets no attention_chunk_size")
+    return int(chunk)
+
+
 def _options(module, dropout, sliding_window, softcap, is_causal):
-    """(causal, window) from what the model passes; errors for what gstar does not compute."""
+    """gstar keywords (causal, window, softcap, chunk) from what the model passes; errors for what gstar does
+    not compute."""
     if dropout and module.training:
         raise ValueError(f"gstar attention does not implement attention dropout (the model asks for p={dropout} "
                          f"while training): set the config's attention_dropout to 0.0, or use "
                          f"attn_implementation='eager'")
-    if softcap is not None:
-        raise ValueError("gstar attention does not implement attention logit soft-capping (softcap, e.g. "
-                         "Gemma 2's attn_logit_softcapping): use attn_implementation='eager'")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
-    if not sliding_window:
-        return causal, (-1, -1)
-    # HF's sliding_window=W lets a query see itself and W - 1 keys before it (and after, when bidirectional)
-    left = int(sliding_window) - 1
-    return causal, (left, 0 if causal else left)
+    opts = dict(causal=causal, window=(-1, -1), softcap=float(softcap or 0.0), chunk=_layer_chunk(module))
+    if sliding_window:
+        # HF's sliding_window=W lets a query see itself and W - 1 keys before it (and after, when bidirectional)
+        left = int(sliding_window) - 1
+        opts["window"] = (left, 0 if causal else left)
+    return opts
 
 
 def _rows_first(x):
@@ -118,8 +169,9 @@ def _rows_first(x):
     return x.transpose(1, 2)
 
 
-def _padded(q, k, v, mask, **opts):
-    """Padded batch: q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), mask (B, Nk) -> (B, Nq, Hq, Dv)."""
+def _padded(q, k, v, mask, spans=None, **opts):
+    """Padded batch: q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), mask (B, Nk), span ids None or
+    (B, Nk) -> (B, Nq, Hq, Dv)."""
     B, _, Nq, _ = q.shape
     if mask.shape[1] < k.shape[2]:
         # a static cache allocates keys past the mask: those slots hold nothing yet
@@ -140,9 +192,11 @@ def _padded(q, k, v, mask, **opts):
             return cu_seqlens_from_mask(mask[:, -Nq:])
         cu_q, max_q, idx_q = _plans.get((mask,), ("q", Nq), query_plan)
     # offsets built from the mask are valid by construction: no per-layer check (a device sync)
+    if spans is not None:
+        spans = unpad(spans[:, :Nk, None], idx_k)[:, 0]                             # (total_k,)
     out = flash_attention_varlen(unpad(_rows_first(q), idx_q), unpad(_rows_first(k), idx_k),
                                  unpad(_rows_first(v), idx_k), cu_q, cu_k, max_q, max_k, check_cu_seqlens=False,
-                                 **opts)  # (total_q, Hq, Dv)
+                                 spans=spans, **opts)  # (total_q, Hq, Dv)
     return pad(out, idx_q, B, Nq)
 
 
@@ -176,6 +230,21 @@ def _packed(q, k, v, cu_q, cu_k, max_q, max_k, **opts):
     return out.view(B, Nq, Hq, v.shape[3])
 
 
+class _Spans(NamedTuple):
+    """The mask function's answer for a layer whose mask holds bidirectional token blocks (Gemma 3's image tokens,
+    a prefix): gstar's span ids over the layer's keys and the padding mask (None without padding)."""
+    ids: torch.Tensor              # (B, Nk): a block's id + 1, 0 outside blocks
+    padding: torch.Tensor | None   # (B, Nk) bool, True at real tokens
+
+
+class _Documents(NamedTuple):
+    """The mask function's answer for a batch of packed documents (found by transformers in the position ids):
+    the flattened batch's boundaries, as :func:`gstar.flash_attention_varlen` takes them. It reaches the
+    attention function also where the model does not forward ``position_ids`` to it (Llama 4)."""
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+
+
 def _max_length(given, cu):
     if given is not None:
         return int(given)
@@ -200,16 +269,20 @@ def gstar_attention_forward(module, query, key, value, attention_mask, scaling=N
     """transformers attention function backed by gstar (registered as ``"gstar"``).
 
     Args:
-        module: the attention module (reads ``training`` and ``is_causal``, default True).
+        module: the attention module (reads ``training``, ``is_causal``, default True, and, for the chunk size,
+            ``config.layer_types[layer_idx]`` and ``config.attention_chunk_size``).
         query: ``(B, Hq, Nq, D)``; key: ``(B, Hkv, Nk, D)``; value: ``(B, Hkv, Nk, Dv)`` (e.g. latent attention's
             128-wide values under 192-wide queries) with ``Hq % Hkv == 0``.
-        attention_mask: from the ``"gstar"`` mask function: ``None``, the ``(B, Nk)`` padding mask, or the
-            ``(B,)`` int32 filled lengths of a static cache's buffer (keys past them are unwritten slots), which
-            a non-causal layer ignores: its keys (an encoder's, cross-attention's) are all real.
+        attention_mask: from the ``"gstar"`` mask function: ``None``, the ``(B, Nk)`` padding mask, packed
+            documents' boundaries (found in the position ids), or the ``(B,)`` int32 filled lengths of a static
+            cache's buffer (keys past them are unwritten slots), which a non-causal layer ignores: its keys (an
+            encoder's, cross-attention's) are all real.
         scaling: multiplies ``q . k`` (default ``D ** -0.5``).
         dropout: must be 0 while the module trains (gstar has no attention dropout).
         sliding_window: ``W`` keys per query including itself, i.e. gstar ``window=(W - 1, 0)``.
-        softcap: unsupported (raises when set).
+        softcap: logit soft-capping (Gemma 2's ``attn_logit_softcapping``; None or 0: none), gstar's ``softcap``:
+            the scores ``scaling * q . k`` become ``softcap * tanh(s / softcap)`` before the mask and the softmax,
+            on every path, with gradients.
         is_causal: overrides ``module.is_causal``.
         s_aux: ``(Hq,)`` learned sink logits (GPT-OSS), gstar ``sinks``; gradients flow to them.
         position_ids: ``(B, N)`` or ``(1, N)``; ids restarting at 0 inside a row mark packed documents.
@@ -222,16 +295,28 @@ def gstar_attention_forward(module, query, key, value, attention_mask, scaling=N
     Returns ``(attn_output, None)``, ``attn_output`` ``(B, Nq, Hq, Dv)``, as the flash integrations do (no
     attention probabilities exist to return).
     """
-    causal, window = _options(module, dropout, sliding_window, softcap, is_causal)
+    opts = _options(module, dropout, sliding_window, softcap, is_causal)
+    causal = opts["causal"]
+    documents = spans = None
+    if isinstance(attention_mask, _Documents):
+        documents, attention_mask = attention_mask, None
+    elif isinstance(attention_mask, _Spans):
+        spans, attention_mask = attention_mask
     if attention_mask is not None and attention_mask.dim() not in (1, 2):
         raise ValueError(f"gstar attention takes no {attention_mask.dim()}-D custom attention mask (only the "
-                         f"2-D padding mask): it expresses causal, sliding-window, padding and packing masks "
-                         f"itself; use attn_implementation='eager' for arbitrary masks")
+                         f"2-D padding mask): it expresses causal, sliding-window, chunked, padding and packing "
+                         f"masks itself; use attn_implementation='eager' for arbitrary masks")
     setting = context_parallel.active()
     if setting is not None:  # inside gstar.distributed.context_parallel: this rank holds a shard of the sequence
-        return setting.attention(query, key, value, causal=causal, window=window, sinks=s_aux, scale=scaling,
-                                 attention_mask=attention_mask, packed=cu_seq_lens_q is not None), None
-    opts = dict(causal=causal, window=window, sinks=s_aux, scale=scaling)
+        for feature, asked in (("logit soft-capping (softcap)", opts["softcap"]), ("chunked attention", opts["chunk"]),
+                               ("bidirectional token blocks (token_type_ids)", spans is not None)):
+            if asked:
+                raise ValueError(f"gstar context parallel attention does not take {feature}: run this model "
+                                 f"outside gstar.distributed.context_parallel")
+        return setting.attention(query, key, value, causal=causal, window=opts["window"], sinks=s_aux,
+                                 scale=scaling, attention_mask=attention_mask,
+                                 packed=cu_seq_lens_q is not None or documents is not None), None
+    opts.update(sinks=s_aux, scale=scaling)
 
     filled = None
     if attention_mask is not None and attention_mask.dim() == 1:
@@ -240,7 +325,10 @@ def gstar_attention_forward(module, query, key, value, attention_mask, scaling=N
     if filled is not None:
         out = _cached(query, key, value, filled, **opts)
     elif attention_mask is not None:
-        out = _padded(query, key, value, attention_mask, **opts)
+        out = _padded(query, key, value, attention_mask, spans=spans, **opts)
+    elif spans is not None and (cu_seq_lens_q is not None or documents is not None):
+        raise ValueError("gstar attention cannot combine bidirectional token blocks (token_type_ids) with packed "
+                         "documents: pass the documents as a padded batch")
     elif cu_seq_lens_q is not None or cu_seq_lens_k is not None:
         if cu_seq_lens_q is None or cu_seq_lens_k is None:
             raise ValueError("gstar attention needs both cu_seq_lens_q and cu_seq_lens_k for a flattened batch")
@@ -254,6 +342,12 @@ def gstar_attention_forward(module, query, key, value, attention_mask, scaling=N
             plan_key = ("cu", *(None if isinstance(m, torch.Tensor) else m for m in lengths), *given[4:])
             plan = _plans.get(tensors, plan_key, lambda: _flattened_plan(*given, check=True))
         out = _packed(query, key, value, *plan, **opts)
+    elif documents is not None:
+        if query.shape[2] != key.shape[2]:
+            raise ValueError("gstar attention cannot combine packed documents (position ids restarting at 0) "
+                             "with a KV cache")
+        cu, longest = documents
+        out = _packed(query, key, value, cu, cu, longest, longest, **opts)
     else:
         plan = None
         # finding documents in position ids reads them; a compiled graph cannot, so under torch.compile
@@ -264,10 +358,13 @@ def gstar_attention_forward(module, query, key, value, attention_mask, scaling=N
                               lambda: _packing_plan(position_ids, query.shape[0]))
         if plan is None:
             flag = True if deterministic is None else deterministic
-            out = _rows_first(flash_attention(query, key, value, deterministic=flag, **opts))
+            out = _rows_first(flash_attention(query, key, value, deterministic=flag, spans=spans, **opts))
         elif query.shape[2] != key.shape[2]:
             raise ValueError("gstar attention cannot combine packed documents (position ids restarting at 0) "
                              "with a KV cache")
+        elif spans is not None:
+            raise ValueError("gstar attention cannot combine bidirectional token blocks (token_type_ids) with "
+                             "packed documents (position ids restarting at 0): pass the documents as a padded batch")
         else:
             cu, longest = plan
             out = _packed(query, key, value, cu, cu, longest, longest, **opts)
@@ -293,28 +390,176 @@ def _filled_lengths(batch_size, q_length, kv_length, q_offset, kv_offset, cache_
     return torch.full((batch_size,), filled, dtype=torch.int32, device=device)
 
 
+# transformers' mask-function building blocks (transformers.masking_utils), by qualified name: combinators, whose
+# closures hold the functions they combine, and the patterns the attention function applies itself
+_AND, _OR = "and_masks.<locals>.and_mask", "or_masks.<locals>.or_mask"
+_REMAP = "remap_positions_for_packed_sequence.<locals>.inner_mask"  # packed documents, from position ids
+_OFFSETS = "add_offsets_to_mask_function.<locals>.inner_mask"
+_CHUNKED = "chunked_overlay.<locals>.inner_mask"
+_BLOCKWISE = "blockwise_overlay.<locals>.inner_mask"  # bidirectional blocks: image tokens, a prefix-LM's prefix
+_SLIDING = "sliding_window_overlay.<locals>.inner_mask"
+_EXPRESSED = ("causal_mask_function", "bidirectional_mask_function",
+              "sliding_window_bidirectional_overlay.<locals>.inner_mask", "padding_mask_function.<locals>.inner_mask",
+              "packed_sequence_mask_function.<locals>.inner_mask")
+
+
+def _closure(fn) -> dict:
+    """The variables a nested function closes over, by name."""
+    return dict(zip(fn.__code__.co_freevars, (cell.cell_contents for cell in fn.__closure__ or ())))
+
+
+def _bidirectional_model(config) -> bool:
+    """Whether the model runs every attention layer non-causal (Gemma's ``use_bidirectional_attention``): its
+    mask overlays then open the bidirectional (windowed) pattern that its non-causal layers compute anyway."""
+    return bool(getattr(config, "use_bidirectional_attention", False))
+
+
+def _read_mask_function(mask_function, config) -> dict:
+    """Walk the mask function transformers built for a layer type; raise a ``ValueError`` for any part the
+    attention function does not compute itself. Returns what the walk found of the layer's own rules:
+    ``"chunk"``, a chunked layer's ``(chunk_size, left_padding)`` (each row's count of leading padding, from
+    which transformers counts chunks), and ``"positions"``, the ``(B, N)`` position ids in which transformers
+    found packed documents.
+
+    The layer's own pattern (causal or bidirectional, its sliding window, its chunks), the padding and packed
+    documents are what gstar computes from the attention function's arguments. Blockwise overlays (Gemma 3's and
+    PaliGemma's bidirectional image / prefix blocks from ``token_type_ids``) are gstar's spans: ``"blocks"``, the
+    ``(B, N)`` block ids (-1 outside a block) of a mask holding one. Any other overlay joined by *or* opens keys
+    to some queries (a model's ``or_mask_function``) and one joined by *and* hides some (an
+    ``and_mask_function``): gstar expresses neither, except the overlays of a bidirectional model (see
+    :func:`_bidirectional_model`)."""
+    found = {}
+
+    def walk(fn, opening):  # opening: fn is (part of) an overlay joined by "or" to the layer's pattern
+        name = getattr(fn, "__qualname__", "") if getattr(fn, "__module__", "") == _MASKS else ""
+        if name == _AND:
+            for part in _closure(fn)["mask_functions"]:
+                walk(part, opening)
+        elif name == _OR:
+            first, *rest = _closure(fn)["mask_functions"]
+            walk(first, opening)
+            for part in rest:
+                walk(part, True)
+        elif name == _REMAP:
+            values = _closure(fn)
+            found["positions"] = values["position_ids"]
+            walk(values["mask_function"], opening)
+        elif name == _OFFSETS:
+            walk(_closure(fn)["mask_function"], opening)
+        elif name == _BLOCKWISE:
+            blocks = _closure(fn)["block_sequence_ids"]  # (B, N): a block's id, or -1
+            if bool((blocks >= 0).any()):  # blocks of image / prefix tokens: gstar's spans
+                found["blocks"] = blocks
+        elif opening and _bidirectional_model(config):
+            pass
+        elif not opening and name == _SLIDING:
+            # the layer's own window (an and_mask_function may repeat it): the attention function's sliding_window
+            window, own = _closure(fn)["sliding_window"], getattr(config, "sliding_window", None)
+            if isinstance(own, int) and window != own:
+                raise ValueError(f"gstar attention cannot express a sliding-window overlay of {window} keys over "
+                                 f"layers whose window is the config's sliding_window={own}: use "
+                                 f"attn_implementation='eager'")
+        elif not opening and name in _EXPRESSED:
+            pass
+        elif not opening and name == _CHUNKED:
+            values = _closure(fn)
+            found["chunk"] = (int(values["chunk_size"]), values["left_padding"])
+        else:
+            label = getattr(fn, "__qualname__", repr(fn))
+            how = "or_mask_function: opens keys" if opening else "and_mask_function: hides keys"
+            raise ValueError(f"gstar attention cannot express the mask overlay {label} the model adds to its "
+                             f"causal mask ({how} that gstar's causal / sliding-window / chunk rules do not): use "
+                             f"attn_implementation='eager'")
+
+    walk(mask_function, False)
+    return found
+
+
+def _chunk_start_mask(mask, chunk, left, q_first, kv_offset, width, device):
+    """A chunked layer whose keys start at cache slot ``kv_offset > 0`` (a sliding cache layer holding the last
+    ``chunk_size - 1`` keys): gstar counts chunks from each row's first key, transformers from the row's first
+    real token (slot ``left``). The keys before the first query's chunk are seen by no query of the step;
+    marking them as padding makes every row's first key a chunk start, so that the unpadded rows' chunks are
+    the model's. Returns the ``(B, width)`` mask of the keys to keep (``mask`` and'ed in when given)."""
+    device = left.device if device is None else device
+    left = left.to(device=device, dtype=torch.long)
+    start = left + torch.div(q_first - left, chunk, rounding_mode="floor") * chunk - kv_offset   # (B,)
+    if bool((start < 0).any()):
+        raise ValueError(f"gstar attention cannot place the chunk boundaries of a chunked attention layer whose "
+                         f"cache dropped keys of the queries' chunk (its keys start at position {kv_offset}, "
+                         f"chunks of {chunk}): use a cache that keeps the last attention_chunk_size - 1 keys "
+                         f"(transformers' DynamicCache / StaticCache), or attn_implementation='eager'")
+    keep = torch.arange(width, device=device) >= start[:, None]
+    return keep if mask is None else mask & keep
+
+
 def gstar_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offset=0, mask_function=None,
-               attention_mask=None, cache_position=None, device=None, **kwargs):
+               attention_mask=None, cache_position=None, device=None, config=None, use_vmap=False, **kwargs):
     """transformers mask function for ``"gstar"``: no 4-D mask; what the attention function needs to tell real
     keys from padding and from unwritten cache slots.
 
-    Returns ``None`` when every key the layer gets is real (the attention function applies causality, windows
-    and packing itself); the ``(B, kv_length)`` boolean padding mask over the layer's keys when it holds
+    Returns ``None`` when every key the layer gets is real (the attention function applies causality, windows,
+    chunks and packing itself); the ``(B, kv_length)`` boolean padding mask over the layer's keys when it holds
     padding; else, when the queries end before the layer's last slot (a static cache's buffer, not yet
     filled), the ``(B,)`` int32 filled lengths, built on the device from the cache's offset. Cross-attention
     (encoder keys) looks the same here; its non-causal attention ignores them. ``generate`` builds a static
     cache's masks before the model's forward pass and hands them back to it: lengths given as
-    ``attention_mask`` are returned as they are. Extra mask overlays a model may pass in ``mask_function``
-    (e.g. bidirectional image tokens) are not expressible. Every argument is a keyword with a default because
-    releases differ in what they pass (older ones send ``cache_position`` instead of ``q_length`` and
-    ``q_offset``).
+    ``attention_mask`` are returned as they are.
+
+    A chunked layer (Llama 4) whose cache keeps only its last keys (``kv_offset > 0``) gets a boolean mask
+    that also hides the keys before the first query's chunk, so that its rows, unpadded, start at a chunk
+    boundary (see :func:`_chunk_start_mask`). ``mask_function`` is read (:func:`_read_mask_function`): an overlay
+    the model adds that gstar does not compute (bidirectional image tokens from ``token_type_ids``, another
+    ``or_mask_function`` / ``and_mask_function``) raises a ``ValueError``. Under ``torch.compile`` the mask
+    function's closures cannot be read: there an overlay (``use_vmap``, which transformers sets exactly when
+    the model passes an ``or_mask_function`` / ``and_mask_function``, or an *or* at the mask function's top,
+    as block ids make it) raises unless the model is bidirectional, and so does a chunked model's cache layer
+    whose keys start past position 0. Every argument is a keyword with a default because releases differ in
+    what they pass (older ones send ``cache_position`` instead of ``q_length`` and ``q_offset``).
     """
     if attention_mask is not None and attention_mask.dim() == 1:
         return attention_mask
+    found = {}
+    if torch.compiler.is_compiling():
+        # a traced function's __name__ can be read (not its closure, nor its __qualname__): an "or" at the top is
+        # an overlay too
+        overlay = use_vmap or getattr(mask_function, "__name__", None) == _OR.rpartition(".")[2]
+        if overlay and not _bidirectional_model(config):
+            raise ValueError("under torch.compile gstar attention cannot read the mask overlay the model passes "
+                             "(or_mask_function / and_mask_function, e.g. bidirectional image tokens): run the "
+                             "model uncompiled, which checks it, or use attn_implementation='eager'")
+        if kv_offset and "chunked_attention" in (getattr(config, "layer_types", None) or ()):
+            raise ValueError("under torch.compile gstar attention cannot place the chunks of a chunked attention "
+                             "layer whose cache keeps only its last keys: let generate build the masks (it does "
+                             "for a static cache) or run the forward pass uncompiled")
+    elif mask_function is not None and _MASKS is not None:
+        found = _read_mask_function(mask_function, config)
+    positions = found.get("positions")
+    blocks = found.get("blocks")
+    if blocks is not None:  # bidirectional token blocks: gstar's spans over the layer's keys
+        if positions is not None or kv_offset or (q_length is not None and q_length != kv_length):
+            raise ValueError("gstar attention takes bidirectional token blocks (token_type_ids: image tokens, a "
+                             "prefix) in a pass over the whole sequence (training, or generate's prefill into the "
+                             "dynamic cache), not with packed documents or into a static cache's buffer: use "
+                             "cache_implementation='dynamic' or attn_implementation='eager'")
+        mask = None if attention_mask is None else attention_mask[:, -kv_length:].bool()
+        ids = blocks[:, :kv_length].to(device=blocks.device if device is None else device) + 1   # (B, Nk)
+        return _Spans(ids, None if mask is None or bool(mask.all()) else mask)
+    if positions is not None and attention_mask is None and q_length == kv_length:
+        # documents transformers found in the position ids (it looks only without cache and padding)
+        plan = _plans.get((positions,), ("pos", batch_size), lambda: _packing_plan(positions, batch_size))
+        if plan is not None:
+            return _Documents(*plan)
+    chunked = found.get("chunk")
+    mask = None
     if attention_mask is not None:
         mask = attention_mask[:, -kv_length:]  # a sliding-window cache keeps only the last kv_length keys
-        if not bool(mask.all()):
-            return mask
+    if chunked is not None and kv_offset:
+        q_first = cache_position[0] if q_length is None else q_offset
+        width = kv_length if mask is None else mask.shape[1]
+        mask = _chunk_start_mask(mask, *chunked, q_first, kv_offset, width, device)
+    if mask is not None and not bool(mask.all()):
+        return mask
     return _filled_lengths(batch_size, q_length, kv_length, q_offset, kv_offset, cache_position, device)
 
 

@@ -60,8 +60,8 @@ SM90_DECODE_KEYS = 16384
 class Call(NamedTuple):
     """What decides which kernel runs a call: the pass (``"forward"``, ``"backward"`` or ``"decode"``), q's and the
     keys' dtypes, the head dims, the normalised pattern (the longest sequence's when packed; a decode step's at its
-    cache's capacity), the GQA group, whether the batch is packed or (decoding) the cache paged, and whether the
-    scores are soft-capped."""
+    cache's capacity), the GQA group, whether the batch is packed or (decoding) the cache paged, whether the
+    scores are soft-capped and whether the call has spans."""
 
     pass_: str
     dtype: torch.dtype
@@ -73,6 +73,7 @@ class Call(NamedTuple):
     packed: bool = False
     paged: bool = False
     softcap: bool = False
+    spans: bool = False
 
 
 def _full_or_causal(call: Call, head_dims) -> bool:
@@ -83,10 +84,10 @@ def _full_or_causal(call: Call, head_dims) -> bool:
 
 
 def serves_sm90(call: Call) -> bool:
-    """Whether the sm_90 kernels' tables give them calls of this kind (whatever the card): never soft-capped or
-    chunked ones, which only the portable kernels take."""
+    """Whether the sm_90 kernels' tables give them calls of this kind (whatever the card): never soft-capped,
+    chunked or spanned ones, which only the portable kernels take."""
     p = call.pattern
-    if call.softcap or p.chunk:
+    if call.softcap or call.spans or p.chunk:
         return False
     if call.pass_ == "forward":
         fp8 = call.dtype == FP8
@@ -148,7 +149,7 @@ def _positive(q, scale: float):
 
 def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: dict | None = None, *,
                       softcap: float = 0.0, cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      descale=None, out_dtype=None):
+                      descale=None, out_dtype=None, spans=None):
     """Attention forward on validated inputs; returns ``(out, lse)``.
 
     Dense: q: (B, Hq, Nq, D); k: (B, Hkv, Nk, D); v: (B, Hkv, Nk, Dv); pattern: the normalised
@@ -157,7 +158,9 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
     tensors), and ``pattern`` carries the window and the longest lengths (max_seqlen_q, max_seqlen_k); each
     sequence gets its own pattern inside the kernel, with nothing read on the host.
     float16/bfloat16/float32, any strides with unit last stride (never copied). sinks: None or (Hq,)
-    float32, unscaled. scale: any finite float; softcap: the scores' soft-cap (0.0: none). ``config``
+    float32, unscaled. scale: any finite float; softcap: the scores' soft-cap (0.0: none); spans: None or the
+    keys' span bounds (:func:`gstar.pattern.span_bounds`), (B, Nk, 2) int32 contiguous (packed: (total_k, 2)).
+    ``config``
     overrides the portable kernel's tiles (:func:`gstar.kernels.portable.tiles.forward_config`), for tests and
     tuning, and keeps the portable kernel
     where sm_90 would take its own.
@@ -180,18 +183,18 @@ def attention_forward(q, k, v, sinks, pattern: Pattern, scale: float, config: di
         v = widen(v, torch.bfloat16)                                               # (B, Hkv, Nk, Dv)
     lse = buffers.empty(q.shape[:3], dtype=torch.float32, device=q.device)        # (B, Hq, Nq)
     call = Call("forward", q.dtype, k.dtype, q.shape[3], v.shape[3], pattern, q.shape[1] // k.shape[1], varlen,
-                softcap=softcap > 0)
+                softcap=softcap > 0, spans=spans is not None)
     if config is None and family(call, q.device, (q_in, k, v)) == SM90:
         sm90_forward.forward(q_in, k, v, sinks, out, lse, pattern, scale, cu_seqlens, descale)
     else:
         portable_forward.forward(q_in, k, v, sinks, out, lse, pattern, scale, config, cu_seqlens, descale,
-                                 softcap=softcap)
+                                 softcap=softcap, spans=spans)
     return out, lse
 
 
 def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale: float, *, config=None,
                        softcap: float = 0.0, cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None,
-                       deterministic: bool = True):
+                       deterministic: bool = True, spans=None):
     """Gradients of attention (docs/design.md section 1) from the forward's output and LSE.
 
     Args:
@@ -201,7 +204,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
         dlse: ``None`` or ``(B, Hq, Nq)`` gradient of the returned LSE (any strides and float dtype).
         sinks: ``None`` or ``(Hq,)`` float32 learned sink logits.
         pattern: the normalised :class:`gstar.pattern.Pattern`; scale: multiplies ``q . k``; softcap: the
-            scores' soft-cap (0.0: none).
+            scores' soft-cap (0.0: none); spans: the keys' span bounds, as :func:`attention_forward` takes them.
         config: a :class:`gstar.kernels.portable.tiles.BackwardConfig` for the portable kernels (tests use
             other tiles, splits and loop forms; scripts/tune-backward sweeps them); it keeps them where sm_90
             would take its own.
@@ -226,7 +229,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
                 dsinks += dlse.float().sum(dim=(0, 2))
         return (*grads, dsinks)
     call = Call("backward", q.dtype, k.dtype, q.shape[3], v.shape[3], pattern, Hq // k.shape[1], varlen,
-                softcap=softcap > 0)
+                softcap=softcap > 0, spans=spans is not None)
     if config is None and family(call, q.device, (q, k, v, dout)) == SM90:
         # the dQ kernel's row statistics alone, then one kernel for dK, dV and a float32 dQ
         lse2, delta = portable_backward.statistics(dout, q, k, v, out, lse, dlse, pattern, scale)
@@ -241,7 +244,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
                 dsinks += (torch.exp(capped_sinks(sinks)[None, :, None] - lse) * dlse.float()).sum(dim=(0, 2))
         return like(q).copy_(dq_sum), dk, dv, dsinks
     return portable_backward.backward(dout, q, k, v, out, lse, dlse, sinks, pattern, scale, config=config,
-                                      softcap=softcap, cu_seqlens=cu_seqlens)
+                                      softcap=softcap, cu_seqlens=cu_seqlens, spans=spans)
 
 
 def decode_forward(q, cache, cache_seqlens, added: int, sinks, pattern: Pattern, scale: float,

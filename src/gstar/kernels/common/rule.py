@@ -2,10 +2,11 @@
 
 The host describes a call's pattern to a kernel with two arguments: its runtime bounds (:func:`bounds`: ``left``,
 ``right``, ``sink_tokens``, ``chunk``, never specialised on, so new windows recompile nothing) and which of them
-are on (:class:`Mask`, one constexpr). Inside, the kernel joins them with its sequence's lengths into a :class:`Rule`
-(:func:`rule`), the value every helper takes: :func:`visible` here, the block walk of :mod:`.walk`, the softmax
-step of :mod:`.softmax`. :func:`visible` is the twin of :meth:`gstar.pattern.Pattern.visible`, which stays the
-specification; ``tests/test_ranges.py`` holds the two equal.
+are on (:class:`Mask`, one constexpr); a call with spans adds their bounds as a tensor. Inside, the kernel joins
+them with its sequence's lengths into a :class:`Rule` (:func:`rule`), the value every helper takes: :func:`visible`
+here, the block walk of :mod:`.walk`, the softmax step of :mod:`.softmax`. :func:`visible` is the twin of
+:meth:`gstar.pattern.Pattern.visible`, which stays the specification; ``tests/test_ranges.py`` holds the two
+equal.
 """
 
 from typing import NamedTuple
@@ -25,12 +26,14 @@ class Mask(NamedTuple):
     has_right: bool        # keys past p(i) + right are hidden (causal: right = 0)
     has_sink_tokens: bool  # keys below sink_tokens escape the left bounds (the window's, the chunk's)
     has_chunk: bool = False  # keys outside the query's chunk of positions are hidden
+    has_spans: bool = False  # a position's span (data: :func:`gstar.pattern.span_bounds`) lifts the right bound
 
 
-def mask(pattern: Pattern) -> Mask:
-    """The :class:`Mask` of a normalised pattern (its sink tokens count only under a left bound)."""
+def mask(pattern: Pattern, spans: bool = False) -> Mask:
+    """The :class:`Mask` of a normalised pattern (its sink tokens count only under a left bound), with or without
+    spans."""
     return Mask(pattern.left >= 0, pattern.right >= 0, pattern.has_left and pattern.sink_tokens > 0,
-                pattern.chunk > 0)
+                pattern.chunk > 0, spans)
 
 
 def bounds(pattern: Pattern) -> dict:
@@ -47,8 +50,9 @@ def _value(x):
 
 @aggregate
 class Rule:
-    """The rule of one sequence: its lengths ``nq``, ``nk`` and the pattern's bounds, with the constexpr flags
-    ``HAS_LEFT``, ``HAS_RIGHT``, ``HAS_SINK_TOKENS``, ``HAS_CHUNK`` (bounds that are off are never read)."""
+    """The rule of one sequence: its lengths ``nq``, ``nk``, the pattern's bounds and its keys' span bounds
+    (``spans``: (nk, 2) int32 ``[start, end)`` per key position, or None), with the constexpr flags ``HAS_LEFT``,
+    ``HAS_RIGHT``, ``HAS_SINK_TOKENS``, ``HAS_CHUNK``, ``HAS_SPANS`` (what is off is never read)."""
 
     nq: base_value
     nk: base_value
@@ -56,24 +60,38 @@ class Rule:
     right: base_value
     sink_tokens: base_value
     chunk: base_value
+    spans: base_value
     HAS_LEFT: tl.constexpr
     HAS_RIGHT: tl.constexpr
     HAS_SINK_TOKENS: tl.constexpr
     HAS_CHUNK: tl.constexpr
+    HAS_SPANS: tl.constexpr
 
     @triton.constexpr_function
-    def __init__(self, nq, nk, left, right, sink_tokens, chunk, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS, HAS_CHUNK):
+    def __init__(self, nq, nk, left, right, sink_tokens, chunk, spans, HAS_LEFT, HAS_RIGHT, HAS_SINK_TOKENS,
+                 HAS_CHUNK, HAS_SPANS):
         self.nq, self.nk, self.left, self.right = _value(nq), _value(nk), _value(left), _value(right)
-        self.sink_tokens, self.chunk = _value(sink_tokens), _value(chunk)
+        self.sink_tokens, self.chunk, self.spans = _value(sink_tokens), _value(chunk), _value(spans)
         self.HAS_LEFT, self.HAS_RIGHT = tl.constexpr(HAS_LEFT), tl.constexpr(HAS_RIGHT)
         self.HAS_SINK_TOKENS, self.HAS_CHUNK = tl.constexpr(HAS_SINK_TOKENS), tl.constexpr(HAS_CHUNK)
+        self.HAS_SPANS = tl.constexpr(HAS_SPANS)
 
 
 @triton.jit
-def rule(nq, nk, left, right, sink_tokens, chunk, MASK: tl.constexpr):
-    """The :class:`Rule` of a sequence of ``nq`` queries and ``nk`` keys under the kernel's bounds and ``MASK``."""
-    return Rule(nq, nk, left, right, sink_tokens, chunk, MASK.has_left, MASK.has_right, MASK.has_sink_tokens,
-                MASK.has_chunk)
+def rule(nq, nk, left, right, sink_tokens, chunk, spans, MASK: tl.constexpr):
+    """The :class:`Rule` of a sequence of ``nq`` queries and ``nk`` keys under the kernel's bounds and ``MASK``;
+    ``spans`` points at the span bounds of the sequence's first key (None without spans)."""
+    return Rule(nq, nk, left, right, sink_tokens, chunk, spans, MASK.has_left, MASK.has_right, MASK.has_sink_tokens,
+                MASK.has_chunk, MASK.has_spans)
+
+
+@triton.jit
+def span_of(rule, pos):
+    """``(start, end)``: the span of key positions ``pos`` (any shape) under ``rule.spans``; empty (``start >=
+    end``) for a position in none or outside ``[0, nk)``."""
+    inside = (pos >= 0) & (pos < rule.nk)
+    at = rule.spans + 2 * tl.where(inside, pos, 0)
+    return tl.load(at, mask=inside, other=0), tl.load(at + 1, mask=inside, other=0)
 
 
 @triton.jit
@@ -93,7 +111,11 @@ def visible(rule, rows, cols):
     ok = cols < rule.nk
     pos = rows + (rule.nk - rule.nq)  # p(i): queries are the last nq positions of the keys
     if rule.HAS_RIGHT:
-        ok = ok & (cols <= pos + rule.right)
+        near = cols <= pos + rule.right
+        if rule.HAS_SPANS:  # the row's span escapes the right bound
+            start, end = span_of(rule, pos)
+            near = near | ((cols >= start) & (cols < end))
+        ok = ok & near
     if rule.HAS_LEFT:
         inside = cols >= pos - rule.left
         if rule.HAS_SINK_TOKENS:

@@ -14,7 +14,7 @@ import triton.language as tl
 from triton.language.core import _aggregate as aggregate
 from triton.language.core import base_value
 
-from .rule import chunk_start
+from .rule import chunk_start, span_of
 
 ALL_ROWS = tl.constexpr(2**30)  # a tile height that covers every query row: a decode program's union of keys
 
@@ -71,6 +71,11 @@ def kv_blocks(rule, row_start, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
         lo = tl.minimum(tl.maximum(lo, chunk_start(pmin, rule.chunk)), nk)
         hi = tl.maximum(tl.minimum(hi, chunk_start(pmax, rule.chunk) + rule.chunk), 0)
     sink_blocks = (tl.minimum(sink_tokens, hi) + BLOCK_N - 1) // BLOCK_N  # sink keys obey the right bound
+    if rule.HAS_SPANS:  # the last row's span lifts its right bound (any other row's ends at or before it)
+        first, last = span_of(rule, pmax)
+        if rule.HAS_CHUNK:  # not its chunk's end
+            last = tl.minimum(last, chunk_start(pmax, rule.chunk) + rule.chunk)
+        hi = tl.where(first < last, tl.maximum(hi, last), hi)
     empty = hi <= lo
     band_start = lo // BLOCK_N
     band_end = (hi + BLOCK_N - 1) // BLOCK_N
@@ -180,6 +185,9 @@ def q_tiles(rule, key_start, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rmax = nq
     if rule.HAS_RIGHT:
         rmin = tl.maximum(key_start - right - offset, 0)  # first row whose right bound reaches the block
+        if rule.HAS_SPANS:  # earlier rows of the first key's span (any other key's span starts at or after it)
+            first, last = span_of(rule, key_start)
+            rmin = tl.where(first < last, tl.maximum(tl.minimum(rmin, first - offset), 0), rmin)
     if rule.HAS_LEFT:
         # rows after the last one whose left bound reaches the block; a sink key is seen by every later row
         reach = tl.minimum(key_end + left - offset, nq)

@@ -176,9 +176,9 @@ def _sum_sink_shares(SHARES, DSINKS, h_first, heads, hq, n_rows, GROUP: tl.const
 
 @triton.jit
 def _dkdv(
-    Q, K, V, DO, LSE2, DELTA, DK, DV, WORK, SHARES, DSINKS, CuQ, CuK,
+    Q, K, V, DO, LSE2, DELTA, DK, DV, WORK, SHARES, DSINKS, CuQ, CuK, Spans,
     stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv, stride_lse,
-    nq, nk, head_splits, n_items, n_shares, left, right, sink_tokens, chunk, scale, qk_scale, softcap,
+    nq, nk, head_splits, n_items, n_shares, left, right, sink_tokens, chunk, scale, qk_scale, softcap, stride_spans,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     VALUE_DIM: tl.constexpr, MASK: tl.constexpr, FLAT: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr,
     PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -192,7 +192,8 @@ def _dkdv(
     Dense (CuQ, CuK None): the items and their Q tile ranges come from WORK, (n_items, 5) int32 (see
     :func:`split_plan`). Packed (CuQ, CuK: (B + 1,) int32): axis 2 is the sequence,
     found through CuQ, CuK (as in the forward), every KV tile of the longest one is an item, and
-    :func:`q_tiles` finds its Q tiles. Without SPLIT every KV tile is one item and the
+    :func:`q_tiles` finds its Q tiles; so with spans (Spans, stride_spans as the forward takes them), whose
+    ranges are data. Without SPLIT every KV tile is one item and the
     whole group one split: the result goes to DK, DV in their dtype. With SPLIT (dense only) DK and DV are
     float32 partials ``(B, Hkv, head_splits, n_items, BLOCK_N, D_PAD or DV_PAD)`` contiguous, summed by
     :func:`sum_partials`. TMA (dense only): Q and DO are tensor descriptors moving (1, 1, BLOCK_M, D_PAD) and
@@ -206,6 +207,7 @@ def _dkdv(
     DV_PAD: tl.constexpr = pad_head_dim(VALUE_DIM)
     HAS_SINKS: tl.constexpr = DSINKS is not None
     VARLEN: tl.constexpr = CuQ is not None
+    WALK: tl.constexpr = VARLEN or Spans is not None  # ranges found here, not read from WORK
     item = tl.program_id(0)
     pid_h = tl.program_id(1)
     seq = tl.program_id(2)
@@ -215,10 +217,13 @@ def _dkdv(
     heads = GROUP // head_splits
     q_start, nq = sequence_bounds(CuQ, b, nq, VARLEN)
     k_start, nk = sequence_bounds(CuK, b, nk, VARLEN)
-    seq_rule = rule(nq, nk, left, right, sink_tokens, chunk, MASK)
+    seq_spans = Spans
+    if Spans is not None:
+        seq_spans = Spans + b * stride_spans + k_start * 2
+    seq_rule = rule(nq, nk, left, right, sink_tokens, chunk, seq_spans, MASK)
     h_first = hkv * GROUP + split * heads  # this program's query heads: h_first .. h_first + heads - 1
     hq = (tl.num_programs(1) // head_splits) * GROUP
-    if VARLEN:
+    if WALK:
         tile = item
         if tile * BLOCK_N >= nk:  # tiles past a shorter packed sequence
             if HAS_SINKS:
@@ -319,16 +324,17 @@ def _dq_step(
 
 @triton.jit
 def _dq(
-    Q, K, V, O, DO, DLSE, LSE, Sinks, LSE2, DELTA, DQ, DSINKS, KVTABLE, CuQ, CuK,
+    Q, K, V, O, DO, DLSE, LSE, Sinks, LSE2, DELTA, DQ, DSINKS, KVTABLE, CuQ, CuK, Spans,
     stride_q, stride_k, stride_v, stride_o, stride_do, stride_dq, stride_dlse, stride_lse,
-    nq, nk, left, right, sink_tokens, chunk, scale, qk_scale, softcap,
+    nq, nk, left, right, sink_tokens, chunk, scale, qk_scale, softcap, stride_spans,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr, HEAD_DIM: tl.constexpr,
     VALUE_DIM: tl.constexpr, MASK: tl.constexpr, FLAT: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr, STATS_ONLY: tl.constexpr = False,
 ):
     """Grid ``(n_tiles, Hq // PACK, B)``: dQ of one Q tile of PACK query heads, over the KV blocks that
     :func:`gstar.pattern.kv_block_table` lists in KVTABLE, (n_tiles, 5) int32 (dense: CuQ, CuK None), or
-    :func:`kv_blocks` finds (packed: axis 2 is the sequence, as in the forward).
+    :func:`kv_blocks` finds (packed: axis 2 is the sequence, as in the forward; or with spans, Spans and
+    stride_spans as the forward takes them).
     PACK (a power of two dividing GROUP) stacks query heads of one GQA group in the tile as in the forward:
     BLOCK_M // PACK positions of each, so every K/V block is loaded once for all of them and a narrow
     window's tile spans fewer keys; n_tiles = cdiv(Nq, BLOCK_M // PACK).
@@ -395,8 +401,11 @@ def _dq(
         return
     k_head, v_head = _head_rows(K, V, b, hkv, k_start, stride_k, stride_v, TMA)
     kv_head = hkv.to(tl.int32)
-    seq_rule = rule(nq, nk, left, right, sink_tokens, chunk, MASK)
-    if VARLEN:
+    seq_spans = Spans
+    if Spans is not None:
+        seq_spans = Spans + b * stride_spans + k_start * 2
+    seq_rule = rule(nq, nk, left, right, sink_tokens, chunk, seq_spans, MASK)
+    if VARLEN or Spans is not None:  # ranges that are data: found here
         blocks = kv_blocks(seq_rule, pid_m * ROWS, ROWS, BLOCK_N)
     else:  # the host table, as in _dkdv
         blocks = table_blocks(KVTABLE, pid_m)
@@ -457,15 +466,17 @@ class _Plan(NamedTuple):
 def _plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tuple, v_shape: tuple, v_stride: tuple,
           o_stride: tuple, do_stride: tuple, dlse_stride: tuple | None, dtype: torch.dtype, device: torch.device,
           has_sinks: bool, pattern: Pattern, scale: float, softcap: float, seqs: int | None,
-          config: BackwardConfig | None, precision: str) -> _Plan:
-    """The launches of one layout (as the forward's plan; ``dlse_stride`` None without an LSE gradient)."""
+          config: BackwardConfig | None, precision: str, spans: bool = False) -> _Plan:
+    """The launches of one layout (as the forward's plan; ``dlse_stride`` None without an LSE gradient; with
+    ``spans`` the kernels find their ranges themselves, as for packed sequences)."""
     B, Hq, Nq, D = q_shape
     Hkv, Nk, Dv = k_shape[1], k_shape[2], v_shape[3]
     group = Hq // Hkv
     varlen = seqs is not None
     cfg = config or backward_config(D, dtype, pattern, device, batch_heads=B * Hq, group=group, value_dim=Dv)
     d_pad, dv_pad = pad_head_dim(D), pad_head_dim(Dv)
-    shared = dict(MASK=mask(pattern), PRECISION=precision, GROUP=group, HEAD_DIM=D, VALUE_DIM=Dv, FLAT=cfg.flat,
+    walk = varlen or spans  # ranges found in the kernels, not in host tables
+    shared = dict(MASK=mask(pattern, spans), PRECISION=precision, GROUP=group, HEAD_DIM=D, VALUE_DIM=Dv, FLAT=cfg.flat,
                   SOFTCAP=softcap > 0)
     runtime = dict(nq=Nq, nk=Nk, **bounds(pattern), scale=float(scale), **softcap_args(scale, softcap))
     lse_strides = batch_strides((Hq * Nq, Nq, 1), varlen)[:2]  # delta, lse2 and LSE: (B, Hq, Nq) contiguous
@@ -481,9 +492,9 @@ def _plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tuple, v_sh
                              num_stages=cfg.dq_stages, TMA=tma, **registers, **shared) for tma in (False, True)]
     dq_args = dict(stride_q=q_s, stride_k=k_s, stride_v=v_s, stride_o=o_s, stride_do=do_s, stride_dlse=dl_s,
                    stride_lse=lse_strides, **runtime,
-                   KVTABLE=None if varlen else kv_block_table(pattern, rows, cfg.dq_n, device))  # (n_q_tiles, 5)
+                   KVTABLE=None if walk else kv_block_table(pattern, rows, cfg.dq_n, device))  # (n_q_tiles, 5)
 
-    if varlen:
+    if walk:
         head_splits, work, first = 1, None, None
         n_items = n_tiles = cdiv(pattern.nk, cfg.dkdv_n)
     else:
@@ -515,10 +526,11 @@ def _plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tuple, v_sh
 
 
 def _layout_plan(dout, q, k, v, out, dlse, sinks, pattern: Pattern, scale: float, config, cu_seqlens,
-                 softcap: float = 0.0) -> _Plan:
+                 softcap: float = 0.0, spans: bool = False) -> _Plan:
     return _plan(q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(), dout.stride(),
                  None if dlse is None else dlse.stride(), q.dtype, q.device, sinks is not None, pattern, scale,
-                 softcap, None if cu_seqlens is None else cu_seqlens[0].shape[0] - 1, config, dot_precision(q.dtype))
+                 softcap, None if cu_seqlens is None else cu_seqlens[0].shape[0] - 1, config, dot_precision(q.dtype),
+                 spans)
 
 
 def statistics(dout, q, k, v, out, lse, dlse, pattern: Pattern, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -530,13 +542,13 @@ def statistics(dout, q, k, v, out, lse, dlse, pattern: Pattern, scale: float) ->
     delta, lse2 = stats[0], stats[1]                                                # (B, Hq, Nq) each
     launch(_dq, plan.stats.grid, {**plan.stats.args, "Q": q, "K": k, "V": v, "O": out, "DO": dout, "DLSE": dlse,
                                   "LSE": lse, "Sinks": None, "LSE2": lse2, "DELTA": delta, "DQ": q, "DSINKS": None,
-                                  "CuQ": None, "CuK": None, "stride_dq": batch_strides(q.stride(), False)},
-           plan.stats.options)  # (DQ: unused)
+                                  "CuQ": None, "CuK": None, "stride_dq": batch_strides(q.stride(), False),
+                                  "Spans": None, "stride_spans": 0}, plan.stats.options)  # (DQ: unused)
     return lse2, delta
 
 
 def backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale: float, *,
-             config: BackwardConfig | None = None, softcap: float = 0.0, cu_seqlens=None):
+             config: BackwardConfig | None = None, softcap: float = 0.0, cu_seqlens=None, spans=None):
     """``(dq, dk, dv, dsinks)`` with the portable kernels, for the calls of
     :func:`gstar.kernels.dispatch.attention_backward` (shapes as it takes them, at least one row and one key).
     ``config`` overrides :func:`backward_config` (tests use other tiles, splits and loop forms;
@@ -544,7 +556,9 @@ def backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale: floa
     Hq = q.shape[1]
     varlen = cu_seqlens is not None
     like = buffers.empty_packed_like if varlen else buffers.empty_like
-    plan = _layout_plan(dout, q, k, v, out, dlse, sinks, pattern, scale, config, cu_seqlens, softcap)
+    plan = _layout_plan(dout, q, k, v, out, dlse, sinks, pattern, scale, config, cu_seqlens, softcap,
+                        spans is not None)
+    span_args = {"Spans": spans, "stride_spans": 0 if spans is None or varlen else spans.stride(0)}
     stats = buffers.empty(plan.stats_shape, dtype=torch.float32, device=q.device)
     delta, lse2 = stats[0], stats[1]                                                # (B, Hq, Nq) each
     cu_q, cu_k = cu_seqlens if varlen else (None, None)
@@ -564,8 +578,8 @@ def backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale: floa
         dsinks = buffers.empty((Hq,), dtype=torch.float32, device=q.device)             # summed by _dkdv
     launch(_dq, plan.dq.grid, {**plan.dq.args, "Q": q, "K": k_in, "V": v_in, "O": out, "DO": dout, "DLSE": dlse,
                                "LSE": lse, "Sinks": sinks, "LSE2": lse2, "DELTA": delta, "DQ": dq, "DSINKS": shares,
-                               "CuQ": cu_q, "CuK": cu_k, "stride_dq": batch_strides(dq.stride(), varlen)},
-           plan.dq.options[dq_tma])
+                               "CuQ": cu_q, "CuK": cu_k, "stride_dq": batch_strides(dq.stride(), varlen),
+                               **span_args}, plan.dq.options[dq_tma])
 
     dk, dv = like(k), like(v)
     pk, pv = dk, dv
@@ -574,7 +588,8 @@ def backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, scale: floa
     launch(_dkdv, plan.dkdv.grid, {**plan.dkdv.args, "Q": q_in, "K": k, "V": v, "DO": do_in, "LSE2": lse2,
                                    "DELTA": delta, "DK": pk, "DV": pv, "SHARES": shares, "DSINKS": dsinks,
                                    "CuQ": cu_q, "CuK": cu_k, "stride_dk": batch_strides(dk.stride(), varlen),
-                                   "stride_dv": batch_strides(dv.stride(), varlen)}, plan.dkdv.options[dkdv_tma])
+                                   "stride_dv": batch_strides(dv.stride(), varlen), **span_args},
+           plan.dkdv.options[dkdv_tma])
     if plan.sum is not None:
         launch(sum_partials, plan.sum.grid, {**plan.sum.args, "PK": pk, "PV": pv, "DK": dk, "DV": dv,
                                              "stride_dk": batch_strides(dk.stride(), False),

@@ -153,7 +153,7 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, QDescale, KDescale, V
     else:
         acc, m_i, l_i = start_state(Sinks, heads, VALUE_DIM)
 
-    seq_rule = rule(nq, nk, left, right, sink_tokens, chunk, MASK)
+    seq_rule = rule(nq, nk, left, right, sink_tokens, chunk, None, MASK)
     blocks = kv_blocks(seq_rule, 0, ALL_ROWS, BLOCK_N)
     whole, whole_end, count = steps(blocks)  # masked steps, whole ones from ``whole``, masked from ``whole_end``
     per = tl.cdiv(count, splits)

@@ -118,9 +118,9 @@ def _finish_rows(Out, Lse, acc, m_i, l_i, offs, h0, row_start, q_start, b, strid
 # recompile the kernel for new lengths and buys nothing, since they only enter masks and loop bounds
 @triton.jit(do_not_specialize=["Nq", "Nk", "left", "right", "sink_tokens", "chunk"])
 def _forward(
-        Q, K, V, Sinks, Out, Lse, CuQ, CuK, QDescale, KDescale, VDescale,
+        Q, K, V, Sinks, Out, Lse, CuQ, CuK, QDescale, KDescale, VDescale, Spans,
         stride_q, stride_k, stride_v, stride_o, stride_lse,
-        group, Nq, Nk, left, right, sink_tokens, chunk, qk_scale, softcap, stride_ds,
+        group, Nq, Nk, left, right, sink_tokens, chunk, qk_scale, softcap, stride_ds, stride_spans,
         HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         PACK: tl.constexpr, MASK: tl.constexpr, FLAT: tl.constexpr, HALVES: tl.constexpr, PRECISION: tl.constexpr,
         SOFTCAP: tl.constexpr):
@@ -136,6 +136,8 @@ def _forward(
     unit row stride. Hkv = Hq // group. Sinks: None or (Hq,) float32 learned sink logits.
     ``qk_scale``, ``softcap`` and SOFTCAP: the score factors of :func:`softcap_args` (qk_scale > 0).
     ``left``, ``right``, ``sink_tokens``, ``chunk`` and MASK: the pattern (:mod:`gstar.kernels.common.rule`).
+    Spans: None, or the keys' span bounds (:func:`gstar.pattern.span_bounds`), (B, Nk, 2) int32 (packed:
+    (total_k, 2)) with batch stride ``stride_spans``.
     FP8 inputs (float8_e4m3fn Q and K; V widened to bfloat16 before the launch, so that ``P V`` runs in
     bfloat16): QDescale, KDescale, VDescale and ``stride_ds`` the descales as :func:`load_descales` takes
     them, Out bfloat16, float16 or float32; else the three are None.
@@ -162,7 +164,10 @@ def _forward(
     if VARLEN:  # tiles past a shorter packed sequence (a dense grid has none: no branch around the body)
         if row_start >= Nq:
             return
-    seq_rule = rule(Nq, Nk, left, right, sink_tokens, chunk, MASK)
+    seq_spans = Spans
+    if Spans is not None:
+        seq_spans = Spans + b * stride_spans + k_start * 2
+    seq_rule = rule(Nq, Nk, left, right, sink_tokens, chunk, seq_spans, MASK)
     h_kv = (h0 // group).to(tl.int64)
     if SOFTCAP:  # the descales scale the raw scores, inside the tanh
         softcap, v_descale = load_descales(QDescale, KDescale, VDescale, b, h_kv, stride_ds, softcap)
@@ -226,9 +231,10 @@ class _Plan(NamedTuple):
 @functools.lru_cache(maxsize=256)
 def _plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tuple, v_shape: tuple, v_stride: tuple,
           dtype: torch.dtype, device: torch.device, pattern: Pattern, scale: float, softcap: float, seqs: int | None,
-          config: tuple | None, precision: str) -> _Plan:
+          config: tuple | None, precision: str, spans: bool = False) -> _Plan:
     """The launch of one layout (shapes, strides, dtype, pattern, score factors; ``seqs``: the number of packed
-    sequences, None for a dense batch; ``config``: the caller's overrides as sorted items). A cache hit costs a
+    sequences, None for a dense batch; ``config``: the caller's overrides as sorted items; ``spans``: whether the
+    call has spans). A cache hit costs a
     few us, where deriving the launch costs tens at every call, more than a small layer's GPU time."""
     B, Hq, Nq, D = q_shape
     Hkv, Nk, Dv = k_shape[1], k_shape[2], v_shape[3]
@@ -245,23 +251,25 @@ def _plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tuple, v_sh
     args = dict(stride_q=q_s, stride_k=k_s, stride_v=v_s, stride_lse=(0 if varlen else Hq * Nq, Nq),
                 group=Hq // Hkv, Nq=Nq, Nk=Nk, **bounds(pattern), **softcap_args(scale, softcap))
     return _Plan(grid, args, constexprs(
-        HEAD_DIM=D, VALUE_DIM=Dv, BLOCK_M=block_m, BLOCK_N=block_n, PACK=pack, MASK=mask(pattern),
+        HEAD_DIM=D, VALUE_DIM=Dv, BLOCK_M=block_m, BLOCK_N=block_n, PACK=pack, MASK=mask(pattern, spans),
         FLAT=bool(cfg["FLAT"]), HALVES=bool(cfg["HALVES"]), PRECISION=precision, SOFTCAP=softcap > 0,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"]))
 
 
 def forward(q, k, v, sinks, out, lse, pattern: Pattern, scale: float, config: dict | None = None, cu_seqlens=None,
-            descale=None, softcap: float = 0.0) -> None:
+            descale=None, softcap: float = 0.0, spans=None) -> None:
     """Fill ``out`` and ``lse`` with the portable kernel, for the calls of
     :func:`gstar.kernels.dispatch.attention_forward` (shapes as it takes them; scale > 0; an FP8 call's V already
     widened). ``config`` overrides :func:`forward_config` (same keys; missing switches take its defaults), for
-    tests and tuning; ``PACK_GQA`` is a request that shrinks to the largest power of two dividing the GQA group."""
+    tests and tuning; ``PACK_GQA`` is a request that shrinks to the largest power of two dividing the GQA group.
+    ``spans``: None or the keys' span bounds, (B, Nk, 2) int32 contiguous (packed: (total_k, 2))."""
     varlen = cu_seqlens is not None
     plan = _plan(q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, pattern, scale,
                  softcap, cu_seqlens[0].shape[0] - 1 if varlen else None,
-                 tuple(sorted(config.items())) if config else None, dot_precision(q.dtype))
+                 tuple(sorted(config.items())) if config else None, dot_precision(q.dtype), spans is not None)
     cu_q, cu_k = cu_seqlens if varlen else (None, None)
     launch(_forward, plan.grid, {**plan.args, "Q": q, "K": k, "V": v, "Sinks": sinks, "Out": out, "Lse": lse,
                                  "CuQ": cu_q, "CuK": cu_k, "stride_o": batch_strides(out.stride(), varlen),
+                                 "Spans": spans, "stride_spans": 0 if spans is None or varlen else spans.stride(0),
                                  **descale_args(descale)}, plan.options)

@@ -357,7 +357,7 @@ def _backward_sm90(q_desc, k_desc, v_desc, do_desc, dqa_desc, DK, DV, Lse2, Delt
     part = (h_first % GROUP) // HEADS
     b = gl.program_id(2)
     key0 = tile * BLOCK_N
-    seq_rule = rule(Nq, Nk, 0, right, 0, 0, MASK)
+    seq_rule = rule(Nq, Nk, 0, right, 0, 0, None, MASK)
     tiles = q_tiles(seq_rule, key0, ROWS, BLOCK_N)
     m_start, full_start, full_end, m_end = tiles.start, tiles.full_start, tiles.full_end, tiles.end
     n_m = m_end - m_start

@@ -277,7 +277,7 @@ def _decode_sm90(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, QDescale, KDesca
         m_i = sink_max(Sinks, heads)
         l_i = gl.full([BLOCK_R], 1.0, gl.float32, gl.SliceLayout(1, mma))
 
-    seq_rule = rule(nq, nk, left, right, sink_tokens, 0, MASK)
+    seq_rule = rule(nq, nk, left, right, sink_tokens, 0, None, MASK)
     walk = kv_blocks(seq_rule, 0, ALL_ROWS, BLOCK_N)
     whole, whole_end, count = steps(walk)  # masked steps, whole ones from ``whole``, masked from ``whole_end``
     per = gl.cdiv(count, splits)

@@ -205,7 +205,8 @@ def _produce_item(item, c, t, args, flags):
     for part in gl.static_range(PARTS):
         tma_load(q_desc, [batch, h, q_row + part * ROWS, 0], shared.q_ready.index(slot),
                  shared.q.index(PARTS * slot + part))
-    blocks = kv_blocks(rule(item.Nq, item.Nk, left, right, sink_tokens, 0, flags.MASK), row0, PARTS * ROWS, BLOCK_N)
+    seq_rule = rule(item.Nq, item.Nk, left, right, sink_tokens, 0, None, flags.MASK)
+    blocks = kv_blocks(seq_rule, row0, PARTS * ROWS, BLOCK_N)
     n = steps(blocks)[2]
     for i in range(n):
         start = item.k_start + block_at(blocks, i) * BLOCK_N
@@ -335,7 +336,7 @@ def _consume_item(item, c, t, args, flags):
     qk_scale, _ = load_descales(QDescale, KDescale, None, b, h // group, stride_ds, qk_scale)  # FP8: into the scale
     Q_SLOTS: gl.constexpr = shared.q_ready.shape[0]
     PARTS: gl.constexpr = shared.q.shape[0] // Q_SLOTS
-    seq_rule = rule(Nq, Nk, left, right, sink_tokens, 0, flags.MASK)
+    seq_rule = rule(Nq, Nk, left, right, sink_tokens, 0, None, flags.MASK)
     blocks = kv_blocks(seq_rule, row0, PARTS * ROWS, BLOCK_N)
     lead_end, full_end, n = steps(blocks)
     q = shared.q.index(PARTS * (t % Q_SLOTS) + part).reshape([ROWS, HEAD_DIM])
