@@ -2,6 +2,7 @@
 writes and the markdown tables it prints."""
 
 import csv
+import dataclasses
 import importlib
 import itertools
 import json
@@ -32,7 +33,7 @@ def test_defaults():
     assert cases_from_args(args, "cuda") == suite("gpt-oss")
 
 
-@pytest.mark.parametrize("name", ["stages", "gpt-oss", "long", "fa", "mla", "varlen", "all"])
+@pytest.mark.parametrize("name", ["stages", "gpt-oss", "long", "fa", "mla", "varlen", "models", "all"])
 @pytest.mark.parametrize("mode", ["fwd", "bwd", "fwd+bwd"])
 def test_suites_and_modes(name, mode):
     args = parse("--suite", name, "--mode", mode)
@@ -71,7 +72,18 @@ def test_reference_suites_follow_the_design():
     mla = suite("mla")
     assert {(c.batch, c.seqlen, c.heads, c.kv_heads, c.head_dim, c.dv, c.causal) for c in mla} == \
         {(2, 4096, 128, 128, 192, 128, True)}
-    assert len(suite("all")) == sum(len(suite(n)) for n in ("gpt-oss", "long", "fa", "mla", "stages", "varlen"))
+    models = suite("models")
+    gemma, llama = models[:4], models[4:]
+    assert {(c.batch, c.seqlen, c.heads, c.kv_heads, c.head_dim, c.dtype, c.causal) for c in gemma} == \
+        {(1, 8192, 16, 8, 256, "bfloat16", True)}
+    assert [(c.window, c.softcap) for c in gemma] == [((-1, -1), 50.0), ((-1, -1), 0.0), ((4095, 0), 50.0),
+                                                      ((4095, 0), 0.0)]
+    assert {(c.batch, c.seqlen, c.heads, c.kv_heads, c.head_dim, c.dtype, c.causal, c.softcap) for c in llama} == \
+        {(1, 16384, 40, 8, 128, "bfloat16", True, 0.0)}
+    assert [(c.window, c.chunk) for c in llama] == [((-1, -1), 8192), ((8191, 0), 0)]
+    assert not any(c.chunk for c in gemma) and not any(c.sinks or c.sink_tokens for c in models)
+    assert len(suite("all")) == sum(len(suite(n)) for n in ("gpt-oss", "long", "fa", "mla", "stages", "varlen",
+                                                             "models"))
 
 
 def test_a_case_by_label():
@@ -79,6 +91,11 @@ def test_a_case_by_label():
     assert cases.labelled("window (127,0)").window == (127, 0) and cases.labelled("window (127,0)").seqlen == 4096
     with pytest.raises(ValueError, match="no case label contains 'D 999'; labels: B2 N4096"):
         cases.labelled("D 999")
+    assert cases.labelled("causal +softcap 50").label == "B1 N8192 H16/8 D256 causal +softcap 50 bf16"
+    assert cases.labelled("D256 causal bf16").softcap == 0.0  # the same layer without the cap
+    assert cases.labelled("window (4095,0) +softcap").softcap == 50.0
+    assert cases.labelled("chunk 8192").label == "B1 N16384 H40/8 D128 causal chunk 8192 bf16"
+    assert cases.labelled("H40/8 D128 window (8191,0)").chunk == 0
 
 
 def test_cpu_shrinks_suites_but_keeps_gqa():
@@ -87,6 +104,7 @@ def test_cpu_shrinks_suites_but_keeps_gqa():
         assert small.dtype == "float32" and small.seqlen <= c.seqlen and small.tokens <= c.tokens
         assert small.batch == (len(c.lengths) if c.packed else 1)
         assert small.heads % small.kv_heads == 0 and small.sinks == c.sinks and small.causal == c.causal
+        assert small.softcap == c.softcap and small.chunk == c.chunk // 16  # as many chunks a (shorter) sequence
     assert cases_from_args(parse("--suite", "fa"), "cpu") == [for_cpu(c) for c in suite("fa")]
 
 
@@ -110,7 +128,9 @@ def test_custom_shape_rejects_bad_gqa():
 
 PATTERNS = [dict(), dict(causal=True), dict(window=(5, 0)), dict(window=(3, 2)), dict(window=(-1, 4)),
             dict(window=(7, -1)), dict(causal=True, window=(16, 0), sink_tokens=4),
-            dict(window=(0, 0), sink_tokens=40), dict(causal=True, window=(200, 0))]
+            dict(window=(0, 0), sink_tokens=40), dict(causal=True, window=(200, 0)),
+            dict(causal=True, chunk=16), dict(chunk=7), dict(causal=True, window=(9, 0), chunk=16, sink_tokens=3),
+            dict(window=(3, 2), chunk=5, sink_tokens=2), dict(chunk=500)]
 
 
 @pytest.mark.parametrize("n", [1, 17, 64, 113])
@@ -122,6 +142,8 @@ def test_flops_count_the_visible_pairs(n, pattern):
     assert case.visible_pairs() == 3 * 4 * brute
     assert case.flops("fwd") == 4 * 3 * 4 * 32 * brute
     assert case.flops("bwd") == 2.5 * case.flops("fwd") and case.flops("fwd+bwd") == 3.5 * case.flops("fwd")
+    capped = dataclasses.replace(case, softcap=30.0)  # a soft-cap changes scores, not the pairs or the bytes
+    assert capped.flops("fwd") == case.flops("fwd") and capped.bytes_moved("fwd") == case.bytes_moved("fwd")
 
 
 def test_flops_with_narrower_values():
@@ -145,10 +167,11 @@ def test_bytes_moved_reads_inputs_and_writes_outputs_once():
     assert wide.bytes_moved("bwd") == 2 * (2 * (q + k + v) + 2 * o) + 8 * rows
 
 
-@pytest.mark.parametrize("pattern", [dict(causal=True, window=(9, 0), sink_tokens=3), dict(window=(6, 6)), dict()],
-                         ids=str)
+@pytest.mark.parametrize("pattern", [dict(causal=True, window=(9, 0), sink_tokens=3), dict(window=(6, 6)), dict(),
+                                     dict(causal=True, chunk=8, sink_tokens=2, softcap=4.0), dict(chunk=8)], ids=str)
 def test_oracle_in_pieces_equals_one_call(monkeypatch, pattern):
-    """The oracle splits batch, kv heads and (right bound 0) query rows; pieces must add up exactly."""
+    """The oracle splits batch, kv heads and (right bound 0) query rows; pieces must add up exactly (a chunk
+    makes rows depend on their position: no row pieces without a right bound of 0)."""
     case = Case("t", 2, 4, 2, 37, 16, sinks=True, dtype="float32", **pattern)
     inputs = measure.make_inputs(case, "cpu")
     monkeypatch.setattr(measure, "_budget", lambda device: 2 * 37 * 4 * 8 * 5)  # 5 rows per piece
@@ -156,7 +179,7 @@ def test_oracle_in_pieces_equals_one_call(monkeypatch, pattern):
     got = measure.naive_reference(case, inputs, torch.float64, grads=True)
     leaves = [inputs[n].double().requires_grad_() for n in ("q", "k", "v", "sinks")]
     out, _ = naive_attention(*leaves[:3], sinks=leaves[3], causal=case.causal, window=case.window,
-                             sink_tokens=case.sink_tokens)
+                             sink_tokens=case.sink_tokens, softcap=case.softcap, chunk=case.chunk)
     grads = torch.autograd.grad(out, leaves, inputs["dout"].double())
     for name, want in zip(("out", "dq", "dk", "dv", "dsinks"), (out,) + grads):
         torch.testing.assert_close(got[name], want.detach(), rtol=1e-12, atol=1e-12)

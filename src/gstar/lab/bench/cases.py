@@ -48,6 +48,11 @@ class Case:
     already in the cache). With ``lengths`` sequence ``b`` holds only the first ``lengths[b]`` keys of its
     cache; with ``page_size`` the cache is paged, blocks of that many keys in pages of one pool
     (:meth:`block_table`, :meth:`to_pages`).
+
+    ``chunk`` (Llama 4's chunked attention, 0: none) is part of the pattern, like the window: a query sees only
+    keys of its own chunk of ``chunk`` positions. ``softcap`` (Gemma 2's logit soft-capping, 0.0: none) is not:
+    it changes the scores (``softcap * tanh(s / softcap)``), not which keys are seen, so it leaves the FLOP count
+    and the memory floor alone (tanh is no matmul FLOP).
     """
 
     family: str
@@ -65,6 +70,8 @@ class Case:
     value_dim: int | None = None
     queries: int = 0
     page_size: int = 0
+    softcap: float = 0.0
+    chunk: int = 0
 
     def __post_init__(self):
         if self.decode and self.lengths and (self.batch != len(self.lengths) or max(self.lengths) > self.seqlen):
@@ -133,7 +140,7 @@ class Case:
     def pattern_of(self, n: int) -> Pattern:
         """The case's pattern on ``n`` keys: as many queries (self-attention) or the decode step's ``Nq``."""
         return Pattern.make(self.queries or n, n, causal=self.causal, window=self.window,
-                            sink_tokens=self.sink_tokens)
+                            sink_tokens=self.sink_tokens, chunk=self.chunk)
 
     @property
     def pattern(self) -> Pattern:
@@ -141,16 +148,21 @@ class Case:
 
     @property
     def mask_label(self) -> str:
-        """The pattern in words: ``causal``, ``window (127,0) +4 sink tokens``, ``full`` ... and ``+sinks``."""
+        """The pattern in words, and the scores' soft-cap: ``causal``, ``window (127,0) +4 sink tokens``,
+        ``causal chunk 8192``, ``full`` ... then ``+sinks`` and ``+softcap 50``."""
         p = self.pattern
         if p.left >= 0 or p.right > 0:
             words = f"window ({p.left},{p.right})"
         else:
             words = "causal" if p.right == 0 else "full"
+        if p.chunk:
+            words += f" chunk {p.chunk}"
         if p.sink_tokens:
             words += f" +{p.sink_tokens} sink tokens"
         if self.sinks:
             words += " +sinks"
+        if self.softcap:
+            words += f" +softcap {self.softcap:g}"
         return words
 
     @property
@@ -234,6 +246,15 @@ class Case:
         d["label"] = self.label
         return d
 
+    @staticmethod
+    def from_dict(d: dict) -> Case:
+        """The case whose :meth:`as_dict` (a saved row's ``"case"``) this is; fields a file from before them
+        lacks (``softcap``, ``chunk`` ...) take their defaults."""
+        names = {f.name for f in dataclasses.fields(Case)}
+        kw = {k: v for k, v in d.items() if k in names}
+        kw.update({k: tuple(kw[k]) for k in ("window", "lengths") if k in kw})
+        return Case(**kw)
+
 
 _GPT_OSS = dict(heads=64, kv_heads=8, head_dim=64, sinks=True, dtype="bfloat16")
 _STAGES = dict(batch=1, heads=16, seqlen=4096, head_dim=16, dtype="bfloat16")
@@ -289,6 +310,29 @@ def _decode_suite() -> list[Case]:
     return table + step + [dataclasses.replace(c, page_size=DECODE_PAGE) for c in table + step]
 
 
+# Gemma 2 9B (transformers' Gemma2Config): 16 query heads, 8 kv heads, head dim 256 (its query_pre_attn_scalar,
+# so the default scale), scores soft-capped at 50 (attn_logit_softcapping); global causal layers alternate with
+# sliding layers of 4096 keys (sliding_window = 4096: window (4095, 0)), 8192 positions.
+_GEMMA2 = dict(batch=1, seqlen=8192, heads=16, kv_heads=8, head_dim=256, causal=True, dtype="bfloat16")
+GEMMA2_SOFTCAP, GEMMA2_WINDOW = 50.0, (4095, 0)
+# Llama 4 (Scout and Maverick, transformers' Llama4TextConfig): 40 query heads, 8 kv heads, head dim 128; its local
+# layers attend causally inside chunks of 8192 positions (attention_chunk_size).
+_LLAMA4 = dict(batch=1, seqlen=16384, heads=40, kv_heads=8, head_dim=128, causal=True, dtype="bfloat16")
+LLAMA4_CHUNK = 8192
+
+
+def _models_suite() -> list[Case]:
+    """Model layers with rules of their own: Gemma 2's causal and sliding layers, each soft-capped and then
+    without the cap (the cap's cost read from one run); a Llama 4 chunked layer of 16k positions, then a causal
+    window of the chunk's width, (8191, 0), on the same shape (each query of the chunked layer sees at most as
+    many keys as the window's: it should take no longer)."""
+    gemma = [Case("models", window=w, softcap=cap, **_GEMMA2) for w in ((-1, -1), GEMMA2_WINDOW)
+             for cap in (GEMMA2_SOFTCAP, 0.0)]
+    llama = [Case("models", chunk=LLAMA4_CHUNK, **_LLAMA4),
+             Case("models", window=(LLAMA4_CHUNK - 1, 0), **_LLAMA4)]
+    return gemma + llama
+
+
 def _fp8_suite() -> list[Case]:
     """Each FP8 case beside the same case in bfloat16: D 128 causal 8k, the GPT-OSS layers, long decode steps and
     the GPT-OSS-20B serving step from a paged cache (these also against an FP8 cache under bfloat16 queries)."""
@@ -316,6 +360,8 @@ SUITES = {
     # the gpt-oss patterns on 16 documents of random lengths, 16384 tokens: packed against padded
     "varlen": lambda: [packed_case("varlen", document_lengths(16384, 16), causal=True, window=w, **_GPT_OSS)
                        for w in ((-1, -1), (127, 0))],
+    # Gemma 2 layers with and without their logit soft-cap; a Llama 4 chunked layer beside a window as wide
+    "models": _models_suite,
     # GPT-OSS decode steps: the table's shapes, contiguous and paged, and a GPT-OSS-20B serving step
     "decode": _decode_suite,
     # FP8 inputs (forward only) beside bfloat16
@@ -347,8 +393,9 @@ def labelled(text: str, name: str = "all") -> Case:
 
 def for_cpu(case: Case) -> Case:
     """A GPU suite case shrunk for a CPU: batch 1 (a packed case keeps its documents, a decode case of unequal
-    lengths its first 8 sequences, each 1/16 as long), heads / 8, length / 16, window / 8, float32 (FP8 cases
-    stay FP8: the PyTorch path on their dequantised inputs).
+    lengths its first 8 sequences, each 1/16 as long), heads / 8, length / 16, window / 8, chunk / 16 (as the
+    length: as many chunks a sequence), float32 (FP8 cases stay FP8: the PyTorch path on their dequantised
+    inputs); the soft-cap is kept.
 
     The group size ``Hq / Hkv`` is kept where the shrunk head count allows it; the point on a CPU is the
     tiled PyTorch path against eager attention at shapes a laptop finishes in seconds.
@@ -364,14 +411,18 @@ def for_cpu(case: Case) -> Case:
     else:
         rows = dict(batch=1, seqlen=max(64, case.seqlen // 16))
     return dataclasses.replace(case, heads=heads, kv_heads=kv_heads, window=(shrink(left), shrink(right)),
+                               chunk=max(1, case.chunk // 16) if case.chunk else 0,
                                dtype=case.dtype if case.fp8 else "float32", **rows)
 
 
 def custom(seqlens, *, batch=1, heads=16, kv_heads=None, head_dim=64, value_dim=None, causal=False,
-           window=(-1, -1), sink_tokens=0, sinks=False, dtype="bfloat16") -> list[Case]:
+           window=(-1, -1), sink_tokens=0, sinks=False, dtype="bfloat16", softcap=0.0, chunk=0) -> list[Case]:
     """One ``custom`` case per sequence length, from the shape flags of ``gstar bench``."""
     kv_heads = heads if kv_heads is None else kv_heads
     if heads % kv_heads:
         raise ValueError(f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})")
+    if softcap < 0 or chunk < 0:
+        raise ValueError(f"--softcap ({softcap}) and --chunk ({chunk}) must be >= 0 (0: none)")
     return [Case("custom", batch, heads, kv_heads, n, head_dim, causal=causal, window=tuple(window),
-                 sink_tokens=sink_tokens, sinks=sinks, dtype=dtype, value_dim=value_dim) for n in seqlens]
+                 sink_tokens=sink_tokens, sinks=sinks, dtype=dtype, value_dim=value_dim, softcap=float(softcap),
+                 chunk=chunk) for n in seqlens]

@@ -3,6 +3,7 @@
 - The oracle is :func:`gstar.reference.naive_attention`, run in pieces (batch elements, groups of kv
   heads and, for patterns with no key right of the diagonal, blocks of query rows) so that it fits in
   memory at the gpt-oss and long-context shapes; each piece is exact, so the result equals one big call.
+  It takes the case's whole rule: pattern (chunk included), learned sinks and logit soft-cap.
 - Time: :func:`gstar.lab.timing.gpu_median_ms` (median, the L2 flushed clean before each call) on a GPU; on a CPU
   the median of several wall-clock runs after a warm-up, contenders taking turns (:func:`race_ms`). CPU timings
   are indicative only.
@@ -93,7 +94,8 @@ def _budget(device: torch.device) -> int:
 def naive_reference(case: Case, inputs: dict, dtype: torch.dtype, *, grads: bool) -> dict:
     """``naive_attention`` of ``inputs`` computed in ``dtype``: ``out`` and, with ``grads``, ``dq dk dv``
     (and ``dsinks``) for the upstream gradient ``inputs["dout"]``. Results keep ``dtype`` and the layout of
-    the inputs.
+    the inputs. The case's soft-cap and chunk go to every call (a packed case's chunks count from each
+    document's start, a decode case's from its cache's first key, as in gstar's entry points).
     """
     if case.packed:
         res = _per_document(case, inputs, dtype, grads)
@@ -123,10 +125,10 @@ def _dense(case: Case, inputs: dict, dtype: torch.dtype, grads: bool) -> dict:
                           f"rows, over its budget of {budget / 2**30:.2f} GiB ({_BUDGET_RULE})")
     kv_step = max(1, min(Hkv, budget // head_bytes))
     # A block of rows is exact with the keys up to its last row's position when no key lies right of p(i)
-    # (right bound 0), or with all keys when nothing depends on position (no bound at all); other patterns
-    # take all rows in one piece.
+    # (right bound 0: the piece's bottom-right alignment keeps every row's position, so its chunk too), or with
+    # all keys when nothing depends on position (no bound, no chunk); other patterns take all rows in one piece.
     prefix = p.right == 0
-    rowwise = prefix or (p.left < 0 and p.right < 0)
+    rowwise = prefix or (p.left < 0 and p.right < 0 and not p.chunk)
     row_step = min(Nq, rows_fit) if (kv_step == 1 and rowwise) else Nq
     acc = torch.promote_types(dtype, torch.float32)  # dk, dv, dsinks sum over pieces
     out = torch.empty(B, Hq, Nq, v.shape[-1], dtype=dtype, device=q.device)                  # (B, Hq, Nq, Dv)
@@ -147,7 +149,8 @@ def _dense(case: Case, inputs: dict, dtype: torch.dtype, grads: bool) -> dict:
                 sk = None if sinks is None else sinks[h0:h1].detach().to(dtype).requires_grad_(grads)
                 with torch.enable_grad() if grads else torch.no_grad():
                     o, _ = naive_attention(*piece, causal=case.causal, window=case.window,
-                                           sink_tokens=case.sink_tokens, sinks=sk)
+                                           sink_tokens=case.sink_tokens, sinks=sk, softcap=case.softcap,
+                                           chunk=case.chunk)
                 out[b:b + 1, h0:h1, r0:r1] = o.detach()
                 if grads:
                     wrt = piece + ([sk] if sk is not None else [])

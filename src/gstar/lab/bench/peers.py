@@ -3,7 +3,9 @@
 
 An adapter says why it cannot run here at all (:meth:`Peer.unavailable`: not importable, needs CUDA) or
 cannot express a case (:meth:`Peer.unsupported`: learned sinks, sink tokens, a window ...); the benchmark
-shows that reason as an ``n/a`` row instead of dropping the peer. :meth:`Peer.build` does all setup
+shows that reason as an ``n/a`` row instead of dropping the peer. Every adapter either expresses a case's
+logit soft-cap (``Case.softcap``, Gemma 2) and chunked attention (``Case.chunk``, Llama 4) or says it cannot:
+a peer is never handed a rule it would silently drop. :meth:`Peer.build` does all setup
 (compilation, block masks, dense masks) outside the timed region and returns ``fn(q, k, v, sinks) -> out``
 with ``q: (B, Hq, N, D)``, ``k: (B, Hkv, N, D)``, ``v: (B, Hkv, N, Dv)``, ``sinks: (Hq,) float32 or None``,
 ``out: (B, Hq, N, Dv)``.
@@ -46,6 +48,20 @@ def _window_or_causal_only(case: Case) -> str | None:
     p = case.pattern
     if p.left >= 0 or p.right > 0:
         return "no sliding window"
+    return None
+
+
+NO_SOFTCAP = "no logit soft-capping"
+NO_CHUNK = "no chunked attention"
+
+
+def _softcap_or_chunk(case: Case, *, softcap: bool, chunk: bool) -> str | None:
+    """Why a peer that can soft-cap scores only if ``softcap`` and bound keys by chunks only if ``chunk`` cannot
+    run ``case``, or None."""
+    if case.softcap and not softcap:
+        return NO_SOFTCAP
+    if case.chunk and not chunk:
+        return NO_CHUNK
     return None
 
 
@@ -117,7 +133,8 @@ class Gstar(Peer):
     def build(self, case, device):
         from ...api import flash_attention, flash_attention_varlen
         from ...kvcache import flash_attention_with_kvcache
-        kw = dict(causal=case.causal, window=case.window, sink_tokens=case.sink_tokens)
+        kw = dict(causal=case.causal, window=case.window, sink_tokens=case.sink_tokens, softcap=case.softcap,
+                  chunk=case.chunk)
         if case.decode and self.kvcache:
             lengths = case.cache_seqlens(device)
             table = case.block_table(device) if case.paged else None
@@ -178,7 +195,13 @@ class GstarNondeterministic(Gstar):
 
 
 class Eager(Peer):
-    """Hugging Face GPT-OSS eager attention: repeat kv, scores, mask, sink column, softmax, drop it, @ v."""
+    """Hugging Face GPT-OSS eager attention: repeat kv, scores, mask, sink column, softmax, drop it, @ v; a
+    soft-cap where Hugging Face's Gemma 2 eager attention applies it (``cap * tanh(s / cap)`` of the scaled
+    scores, before the mask), a chunk in the mask (the case's pattern).
+
+    The soft-cap runs in float32, rounded once to the scores' dtype: Gemma 2's eager code divides, takes tanh
+    and multiplies in bfloat16, three roundings more than the bar's PyTorch baseline, which fails the bar at
+    small caps (bf16 on an H100 at cap 5: out error 0.0249, 0.0226 allowed; at cap 50 it passes)."""
 
     name = "eager"
 
@@ -217,6 +240,8 @@ class Eager(Peer):
             k = k.repeat_interleave(group, dim=1)                        # (B, H, Nk, D)
             v = v.repeat_interleave(group, dim=1)
             scores = (q @ k.transpose(-1, -2)) * scale                   # (B, H, Nq, Nk)
+            if case.softcap:
+                scores = (torch.tanh(scores.float() / case.softcap) * case.softcap).to(scores.dtype)
             scores = scores.masked_fill(~visible, -math.inf)
             if sinks is not None:
                 sink_col = sinks.to(scores.dtype).view(1, H, 1, 1).expand(B, H, Nq, 1)
@@ -241,6 +266,8 @@ class Sdpa(Peer):
             return "no learned sinks"
         if case.pattern.sink_tokens:
             return "no sink tokens"
+        if rule := _softcap_or_chunk(case, softcap=False, chunk=False):
+            return rule  # is_causal, no score modification
         if self.backend == "flash" and case.torch_dtype == torch.float32:
             return "fp16/bf16 only"
         if self.backend == "flash" and case.dv != case.head_dim:
@@ -273,23 +300,32 @@ class Sdpa(Peer):
         return fn
 
 
+def flex_softcap(cap: float):
+    """FlexAttention's ``score_mod`` of a logit soft-cap: ``cap * tanh(s / cap)`` of each scaled score (the
+    mask comes after it, in the block mask)."""
+    def softcap(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / cap) * cap
+    return softcap
+
+
 def flex_with_sinks():
-    """``fn(q, k, v, sinks, block_mask) -> out``: FlexAttention with GQA and learned sinks (``sinks: (Hq,)``
-    float32 or None), ``q (B, Hq, Nq, D)`` against ``k, v (B, Hkv, Nk, D)`` under ``block_mask``, each row then
-    scaled by the share of its softmax that the sink leaves to the keys, from the LSE Flex returns."""
+    """``fn(q, k, v, sinks, block_mask, score_mod=None) -> out``: FlexAttention with GQA and learned sinks
+    (``sinks: (Hq,)`` float32 or None), ``q (B, Hq, Nq, D)`` against ``k, v (B, Hkv, Nk, D)`` under
+    ``block_mask`` (and ``score_mod``, e.g. :func:`flex_softcap`), each row then scaled by the share of its
+    softmax that the sink leaves to the keys, from the LSE Flex returns (the sink is not soft-capped)."""
     from torch.nn.attention.flex_attention import flex_attention
     aux = "return_aux" in inspect.signature(flex_attention).parameters
 
-    def fn(q, k, v, sinks, block_mask):
+    def fn(q, k, v, sinks, block_mask, score_mod=None):
+        kw = dict(block_mask=block_mask, score_mod=score_mod, enable_gqa=True)
         if sinks is None:
-            return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+            return flex_attention(q, k, v, **kw)
         if aux:
             from torch.nn.attention.flex_attention import AuxRequest
-            out, extra = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True,
-                                        return_aux=AuxRequest(lse=True))
+            out, extra = flex_attention(q, k, v, **kw, return_aux=AuxRequest(lse=True))
             lse = extra.lse
         else:
-            out, lse = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True)
+            out, lse = flex_attention(q, k, v, **kw, return_lse=True)
         # sum_j e^s / (sum_j e^s + e^sink) = out * e^lse / (e^lse + e^sink) = out * sigmoid(lse - sink); a row
         # that sees no key has lse = -inf: weight 0, out 0, as the rule has it
         keep = torch.sigmoid(lse - sinks.view(1, -1, 1))                 # (B, Hq, Nq)
@@ -308,8 +344,9 @@ def _flex_compiled():
 
 
 def flex_block_mask(case: Case, device):
-    """The block mask of ``case`` for FlexAttention, or None where every query sees every key. A decode batch
-    of unequal lengths gets one mask per sequence, its lengths read on the device inside the mask."""
+    """The block mask of ``case`` for FlexAttention (the case's whole pattern: causal, window, sink tokens and
+    chunk, through ``Pattern.visible``), or None where every query sees every key. A decode batch of unequal
+    lengths gets one mask per sequence, its lengths read on the device inside the mask."""
     from torch.nn.attention.flex_attention import create_block_mask
     p = case.pattern
     if case.decode and case.lengths:
@@ -322,8 +359,8 @@ def flex_block_mask(case: Case, device):
 
 
 class Flex(Peer):
-    """Compiled FlexAttention: a block mask for causal / window / sink tokens / cache lengths, learned sinks
-    via the LSE (:func:`flex_with_sinks`)."""
+    """Compiled FlexAttention: a block mask for causal / window / sink tokens / chunk / cache lengths, a
+    ``score_mod`` for a soft-cap (:func:`flex_softcap`), learned sinks via the LSE (:func:`flex_with_sinks`)."""
 
     name = "flex"
     cuda_only = True
@@ -337,14 +374,17 @@ class Flex(Peer):
 
     def build(self, case, device):
         block_mask = flex_block_mask(case, device)
+        score_mod = flex_softcap(case.softcap) if case.softcap else None
         compiled = _flex_compiled()
-        return lambda q, k, v, sinks: compiled(q, k, v, sinks, block_mask)
+        return lambda q, k, v, sinks: compiled(q, k, v, sinks, block_mask, score_mod)
 
 
 class FA4(Peer):
     """FlashAttention-4 (``flash_attn.cute.flash_attn_func``), ``(B, N, H, D)`` layout, when importable; a decode
     case through its decode entry, ``flash_attn_varlen_func`` with the lengths on the device (``seqused_k``)
-    and, paged, ``page_table`` over the pools (its paged layout is gstar's)."""
+    and, paged, ``page_table`` over the pools (its paged layout is gstar's). A soft-cap through its ``softcap``
+    argument; no chunked attention: FA4 would need a CuTe DSL ``mask_mod`` (and block-sparse tensors to skip
+    the hidden tiles), which this adapter does not build."""
 
     name = "fa4"
     layout = "bnhd"
@@ -370,6 +410,8 @@ class FA4(Peer):
             return "no sink tokens"
         if (p.left >= 0 or p.right > 0) and "window_size" not in params:
             return "no sliding window"
+        if rule := _softcap_or_chunk(case, softcap="softcap" in params, chunk=False):
+            return rule + (" (only as a CuTe DSL mask_mod)" if rule == NO_CHUNK else "")
         if case.torch_dtype == torch.float32:
             return "fp16/bf16 only"
         if case.decode and "seqused_k" not in params:
@@ -384,6 +426,8 @@ class FA4(Peer):
         kw = {"causal": p.right == 0 and p.left < 0, "softmax_scale": case.head_dim ** -0.5}
         if p.left >= 0 or p.right > 0:
             kw["window_size"] = (p.left if p.left >= 0 else None, p.right if p.right >= 0 else None)
+        if case.softcap:
+            kw["softcap"] = case.softcap
         if case.decode:
             kw["seqused_k"] = case.cache_seqlens(device)
             if case.paged:
@@ -404,7 +448,8 @@ class FA4(Peer):
 class Fla(Peer):
     """flash-linear-attention's softmax attention (``fla.ops.attn.parallel.parallel_attn``): causal only; a
     decode case through its decoding kernel (``fla.ops.attn.decoding.attn_decoding_one_step``): one query per
-    sequence against its keys packed back to back (``cu_seqlens``), which a full cache of equal lengths is."""
+    sequence against its keys packed back to back (``cu_seqlens``), which a full cache of equal lengths is.
+    Neither takes a soft-cap or a chunk (fla's ``chunk_size`` is a tile size of its kernels, not a rule)."""
 
     name = "fla"
     layout = "bnhd"
@@ -420,6 +465,8 @@ class Fla(Peer):
         return attn_decoding_one_step
 
     def unsupported(self, case, device, mode):
+        if rule := _softcap_or_chunk(case, softcap=False, chunk=False):
+            return rule
         if case.decode:
             return self._decode_unsupported(case)
         params = inspect.signature(self._fn()).parameters
