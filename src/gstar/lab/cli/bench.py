@@ -1,7 +1,7 @@
 """``gstar bench``: gstar against its peers, same inputs, same process, checked before timed.
 
-Suites (docs/design.md section 5): ``gpt-oss``, ``long``, ``fa``, ``mla``, ``stages``, ``varlen``, ``all``,
-``decode``; or one custom case per ``--seqlen`` from the shape flags. Implementations: gstar, eager (Hugging
+Suites (docs/design.md section 5): ``gpt-oss``, ``long``, ``fa``, ``mla``, ``stages``, ``varlen``, ``models``,
+``all``, ``decode``, ``fp8``; or one custom case per ``--seqlen`` from the shape flags. Implementations: gstar, eager (Hugging
 Face GPT-OSS style), SDPA flash and cuDNN, compiled FlexAttention, and FlashAttention-4 / fla when importable;
 with a backward, also gstar with ``deterministic=False`` (``gstar-nondet``: dQ added up in any order where the
 Hopper backward serves the case); the ``varlen`` suite compares gstar on packed documents with gstar on the
@@ -30,7 +30,7 @@ from ..bench.cases import DTYPES, FORWARD_ONLY, MODES, SUITE_NAMES
 from ..bench.peers import PEER_NAMES
 
 _SHAPE_FLAGS = ("batch", "heads", "kv_heads", "seqlen", "head_dim", "value_dim", "window", "sink_tokens", "sinks",
-                "causal", "dtype")
+                "causal", "dtype", "softcap", "chunk")
 
 
 def _impl_list(text: str) -> list[str]:
@@ -47,7 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suite", choices=SUITE_NAMES, default="gpt-oss",
                         help="reference shapes of docs/design.md section 5 (default: gpt-oss); varlen: gstar on "
                              "16 packed documents (16384 tokens, GPT-OSS heads) against the same documents padded "
-                             "into a batch; decode (forward only, graph-timed by default): GPT-OSS decode steps "
+                             "into a batch; models: Gemma 2 layers with and without their logit soft-cap, a Llama "
+                             "4 chunked layer beside a window as wide; decode (forward only, graph-timed by "
+                             "default): GPT-OSS decode steps "
                              "against contiguous and paged caches; fp8 (forward only): FP8 inputs beside bfloat16, "
                              "decode steps also against an FP8 cache under bfloat16 queries; "
                              "all: every suite but decode and fp8")
@@ -73,6 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--sink-tokens", type=int, help="first keys exempt from the window's left bound")
     shape.add_argument("--sinks", action="store_true", default=None, help="learned per-head sink logits")
     shape.add_argument("--causal", action="store_true", default=None, help="causal mask")
+    shape.add_argument("--softcap", type=float, help="logit soft-cap (Gemma 2: 50)")
+    shape.add_argument("--chunk", type=int, help="chunked attention's chunk of positions (Llama 4: 8192)")
     shape.add_argument("--dtype", choices=sorted(DTYPES), help="input dtype (default bfloat16; fp8: inputs "
                        "quantised per head, forward only)")
     out = parser.add_argument_group("output")
@@ -112,7 +116,8 @@ def cases_from_args(args, device_type: str):
                             kv_heads=args.kv_heads, head_dim=args.head_dim or 64, value_dim=args.value_dim,
                             causal=bool(args.causal),
                             window=tuple(args.window or (-1, -1)), sink_tokens=args.sink_tokens or 0,
-                            sinks=bool(args.sinks), dtype=dtype or "bfloat16")
+                            sinks=bool(args.sinks), dtype=dtype or "bfloat16", softcap=args.softcap or 0.0,
+                            chunk=args.chunk or 0)
     chosen = cases.suite(args.suite)
     return chosen if device_type == "cuda" else [cases.for_cpu(c) for c in chosen]
 
