@@ -401,10 +401,20 @@ def test_attention_function_softcap_and_chunk_on_every_path():
     assert max_error(out, ref_c.transpose(1, 2)) <= 1e-12
 
 
-def test_context_parallel_refuses_softcap_and_chunk():
+def test_context_parallel_takes_softcap_and_refuses_chunk(monkeypatch):
+    """Inside context_parallel a soft-capped layer reaches context_parallel_attention with its cap; a chunked
+    layer raises (context parallelism has no chunks)."""
+    from gstar.distributed import context
+    seen = {}
+
+    def attend(q, k, v, **kw):
+        seen.update(kw)
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(context, "context_parallel_attention", attend)
     q, k, v = _projections(1, 2, 2, 5, 5, 8)
     with gstar.distributed.context_parallel():
-        with pytest.raises(ValueError, match="soft-capping"):
-            integration.gstar_attention_forward(torch.nn.Module(), q, k, v, None, softcap=30.0)
+        integration.gstar_attention_forward(torch.nn.Module(), q, k, v, None, softcap=30.0)
+        assert seen["softcap"] == 30.0
         with pytest.raises(ValueError, match="chunked attention"):
             integration.gstar_attention_forward(_Layer(["chunked_attention"], 0, CHUNK), q, k, v, None)

@@ -21,7 +21,7 @@ class Setting(NamedTuple):
     layout: str
     check_ranks: bool
 
-    def attention(self, query, key, value, *, causal, window, sinks, scale, attention_mask, packed):
+    def attention(self, query, key, value, *, causal, window, sinks, scale, attention_mask, packed, softcap=0.0):
         """The attention of one layer: query ``(B, Hq, n, D)``, key, value ``(B, Hkv, n, D|Dv)`` -> ``(B, n,
         Hq, Dv)``, as transformers expects."""
         if attention_mask is not None:
@@ -31,7 +31,8 @@ class Setting(NamedTuple):
             raise ValueError("gstar context parallel attention does not take packed documents (cu_seq_lens): "
                              "shard one sequence per row")
         out = context_parallel_attention(query, key, value, group=self.group, layout=self.layout, causal=causal,
-                                         window=window, sinks=sinks, scale=scale, check_ranks=self.check_ranks)
+                                         window=window, sinks=sinks, scale=scale, softcap=softcap,
+                                         check_ranks=self.check_ranks)
         return out.transpose(1, 2)
 
 

@@ -68,7 +68,7 @@ as does a mask built for a chunked model's cache layer whose keys start past pos
 What the model asks for and gstar cannot do raises a ``ValueError`` naming the feature instead of being
 silently wrong: attention dropout while training; any mask overlay a model lays over its causal mask other than
 bidirectional token blocks; custom 4-D masks; token blocks with packed documents or into a static cache's buffer;
-and, inside :func:`gstar.distributed.context_parallel`, soft-capping, chunked attention and token blocks.
+and, inside :func:`gstar.distributed.context_parallel`, chunked attention and token blocks.
 
 Bidirectional token blocks (Gemma 3's image tokens, PaliGemma's prefix, marked by ``token_type_ids``) reach the
 mask function as a blockwise overlay; their block ids become gstar's ``spans`` (a block's tokens see each other
@@ -308,13 +308,13 @@ def gstar_attention_forward(module, query, key, value, attention_mask, scaling=N
                          f"masks itself; use attn_implementation='eager' for arbitrary masks")
     setting = context_parallel.active()
     if setting is not None:  # inside gstar.distributed.context_parallel: this rank holds a shard of the sequence
-        for feature, asked in (("logit soft-capping (softcap)", opts["softcap"]), ("chunked attention", opts["chunk"]),
+        for feature, asked in (("chunked attention", opts["chunk"]),
                                ("bidirectional token blocks (token_type_ids)", spans is not None)):
             if asked:
                 raise ValueError(f"gstar context parallel attention does not take {feature}: run this model "
                                  f"outside gstar.distributed.context_parallel")
         return setting.attention(query, key, value, causal=causal, window=opts["window"], sinks=s_aux,
-                                 scale=scaling, attention_mask=attention_mask,
+                                 scale=scaling, attention_mask=attention_mask, softcap=opts["softcap"],
                                  packed=cu_seq_lens_q is not None or documents is not None), None
     opts.update(sinks=s_aux, scale=scaling)
 
