@@ -228,7 +228,7 @@ def test_compiled_step_matches_eager(layout):
         assert torch.equal(got, want)
     capacity = Cache(*caches[1], kwargs.get("block_table")).capacity
     pattern = Pattern.make(3, capacity, causal=True, window=(6, 0), sink_tokens=3)
-    torch.library.opcheck(decode_op, (q, *caches[1], kwargs.get("block_table"), kwargs["cache_seqlens"],
+    torch.library.opcheck(decode_op, (q, *caches[1], kwargs.get("block_table"), kwargs["cache_seqlens"], None,
                                       kwargs["sinks"], 3, list(pattern.fields()), 0.35, 0.0, 2, "torch", None, None))
 
 

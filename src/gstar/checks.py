@@ -136,7 +136,7 @@ class Keywords(NamedTuple):
                             chunk=self.chunk)
 
 
-def _check_int(name: str, x, least: int) -> int:
+def check_int(name: str, x, least: int) -> int:
     if not isinstance(x, numbers.Integral) or isinstance(x, bool):
         raise TypeError(f"{name} must be an int, got {type_name(x)}")
     if x < least:
@@ -160,8 +160,8 @@ def check_options(q, Hq: int, D: int, Dv: int, *, causal, window, sink_tokens, s
         raise TypeError(f"window must be a (left, right) pair of ints, got {window!r}")
     if any(w < -1 for w in window):
         raise ValueError(f"window bounds must be >= 0 or -1 (unbounded), got {tuple(window)}")
-    sink_tokens = _check_int("sink_tokens", sink_tokens, 0)
-    chunk = min(_check_int("chunk", chunk, 0), FAR)  # a chunk past every sequence hides nothing
+    sink_tokens = check_int("sink_tokens", sink_tokens, 0)
+    chunk = min(check_int("chunk", chunk, 0), FAR)  # a chunk past every sequence hides nothing
     if sinks is not None:
         check_tensor("sinks", sinks, 1)
         if sinks.shape[0] != Hq:
@@ -223,7 +223,7 @@ def check_cu_seqlens(name: str, cu, device: torch.device):
         raise ValueError(f"{name} must have num_seqs + 1 >= 1 elements, got shape {tuple(cu.shape)}")
 
 
-def _check_offsets(name: str, offsets: list[int], total_name: str, total: int, max_name: str, max_seqlen: int):
+def check_offsets(name: str, offsets: list[int], total_name: str, total: int, max_name: str, max_seqlen: int):
     """The values of one cumulative-length list: 0 first, non-decreasing, ``total`` last, gaps <= max_seqlen."""
     if offsets[0] != 0:
         raise ValueError(f"{name} must start at 0, got {offsets[0]}")
@@ -247,5 +247,5 @@ def check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: i
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         check_tensor(name, cu, 1)
     offsets_q, offsets_k = torch.stack((cu_seqlens_q, cu_seqlens_k)).tolist()
-    _check_offsets("cu_seqlens_q", offsets_q, "total_q (q.shape[0])", total_q, "max_seqlen_q", max_seqlen_q)
-    _check_offsets("cu_seqlens_k", offsets_k, "total_k (k.shape[0])", total_k, "max_seqlen_k", max_seqlen_k)
+    check_offsets("cu_seqlens_q", offsets_q, "total_q (q.shape[0])", total_q, "max_seqlen_q", max_seqlen_q)
+    check_offsets("cu_seqlens_k", offsets_k, "total_k (k.shape[0])", total_k, "max_seqlen_k", max_seqlen_k)

@@ -85,7 +85,7 @@ def _full_or_causal(call: Call, head_dims) -> bool:
 
 def serves_sm90(call: Call) -> bool:
     """Whether the sm_90 kernels' tables give them calls of this kind (whatever the card): never soft-capped,
-    chunked or spanned ones, which only the portable kernels take."""
+    chunked or spanned ones, nor packed decode steps, which only the portable kernels take."""
     p = call.pattern
     if call.softcap or call.spans or p.chunk:
         return False
@@ -101,8 +101,9 @@ def serves_sm90(call: Call) -> bool:
         least_group, full = SM90_BACKWARD.get(call.head_dim, (0, False))
         return (not call.packed and _full_or_causal(call, SM90_BACKWARD) and call.group >= least_group
                 and (full or p.right == 0))
-    return (call.kv_dtype == FP8 and call.dtype != torch.float32 and call.head_dim == call.value_dim
-            and call.head_dim in SM90_DECODE and call.group * p.nq <= sm90_decode.BLOCK_R.value
+    return (not call.packed and call.kv_dtype == FP8 and call.dtype != torch.float32
+            and call.head_dim == call.value_dim and call.head_dim in SM90_DECODE
+            and call.group * p.nq <= sm90_decode.BLOCK_R.value
             and sm90_decode.visible_keys(p, p.nq) >= SM90_DECODE_KEYS)
 
 
@@ -248,34 +249,42 @@ def attention_backward(dout, q, k, v, out, lse, dlse, sinks, pattern: Pattern, s
 
 
 def decode_forward(q, cache, cache_seqlens, added: int, sinks, pattern: Pattern, scale: float,
-                   num_splits: int | None, descale=None, out_dtype=None, softcap: float = 0.0):
+                   num_splits: int | None, descale=None, out_dtype=None, softcap: float = 0.0, cu_seqlens_q=None):
     """``(out, lse)`` of :func:`gstar.flash_attention_with_kvcache` on validated inputs (the cache already
-    appended to). ``cache``: a :class:`gstar.kvcache.Cache`; ``cache_seqlens``: (B,) int32 or None (every
-    sequence full); ``added``: keys appended this call; ``pattern``: nq and the window at the cache's capacity
-    (each sequence's length is read on the device); ``sinks``: None or (Hq,) float32. An FP8 cache: ``descale``
-    the descales of q, k and v, each None (1) or a float32 (B, Hkv) view (:func:`gstar.fp8.check`), and
-    ``out_dtype`` (default q's dtype); ``softcap``: the scores' soft-cap (0.0: none)."""
-    B, Hq, nq, D = q.shape
+    appended to). q: (B, Hq, nq, D), or packed (total_q, Hq, D) with ``cu_seqlens_q`` (B + 1,) int32; ``cache``:
+    a :class:`gstar.kvcache.Cache`; ``cache_seqlens``: (B,) int32 or None (every sequence full); ``added``: keys
+    appended this call, each sequence's query count (packed: nonzero when the queries were appended, their
+    counts read on the device); ``pattern``: nq (packed: the most queries a sequence has) and
+    the window at the cache's capacity (each sequence's length is read on the device); ``sinks``: None or (Hq,)
+    float32. An FP8 cache: ``descale`` the descales of q, k and v, each None (1) or a float32 (B, Hkv) view
+    (:func:`gstar.fp8.check`), and ``out_dtype`` (default q's dtype); ``softcap``: the scores' soft-cap (0.0:
+    none)."""
+    packed = cu_seqlens_q is not None
+    Hq, D = q.shape[-2 if packed else 1], q.shape[-1]
+    B = cu_seqlens_q.shape[0] - 1 if packed else q.shape[0]
     k, v = cache.k, cache.v
     Hkv, Dv = (k.shape[2] if cache.paged else k.shape[1]), v.shape[-1]
     if cache_seqlens is None:
         cache_seqlens = torch.full((B,), cache.capacity - added, dtype=torch.int32, device=q.device)
+    if packed and added:  # each sequence's keys after its queries were appended: no sync
+        cache_seqlens, added = cache_seqlens + cu_seqlens_q.diff(), 0                 # (B,)
     q_in, scale = _positive(q, scale)
-    call = Call("decode", q.dtype, k.dtype, D, Dv, pattern, Hq // Hkv, paged=cache.paged, softcap=softcap > 0)
-    plan = decode_plan(call, q.device, (k, v), B, Hkv, cache.block_size if cache.paged else 0, num_splits)
-    return decode(plan, q_in, cache, cache_seqlens, added, sinks, scale, descale, out_dtype, softcap)
+    call = Call("decode", q.dtype, k.dtype, D, Dv, pattern, Hq // Hkv, packed=packed, paged=cache.paged,
+                softcap=softcap > 0)
+    plans = decode_plans(call, q.device, (k, v), B, Hkv, cache.block_size if cache.paged else 0, num_splits)
+    return decode(plans, q_in, cache, cache_seqlens, added, sinks, scale, descale, out_dtype, softcap, cu_seqlens_q)
 
 
-def decode_plan(call: Call, device: torch.device, cache: tuple, batch: int, kv_heads: int, block_size: int,
-                num_splits: int | None):
-    """The launches of a decode step (:class:`gstar.kernels.common.split.Plan`) from the family that serves it:
-    ``cache`` its (k, v) (or () where any layout goes), ``block_size`` a paged cache's (else 0), ``num_splits``
-    the caller's or None."""
+def decode_plans(call: Call, device: torch.device, cache: tuple, batch: int, kv_heads: int, block_size: int,
+                 num_splits: int | None) -> tuple:
+    """The launches of a decode step (:class:`gstar.kernels.common.split.Plan`, one or, packed, two) from the
+    family that serves it: ``cache`` its (k, v) (or () where any layout goes), ``block_size`` a paged cache's
+    (else 0), ``num_splits`` the caller's or None."""
     p = call.pattern
     heads = call.group * kv_heads
     if family(call, device, cache) == SM90:
-        return sm90_decode.plan(batch, heads, kv_heads, p.nq, call.head_dim, call.value_dim, call.paged, block_size,
-                                p, device, num_splits)
-    return portable_decode.plan(batch, heads, kv_heads, p.nq, call.head_dim, call.value_dim, call.paged, block_size,
-                                p, device, dot_precision(call.dtype), num_splits, call.kv_dtype == FP8,
-                                call.softcap)
+        return (sm90_decode.plan(batch, heads, kv_heads, p.nq, call.head_dim, call.value_dim, call.paged,
+                                 block_size, p, device, num_splits),)
+    plan = portable_decode.packed_plans if call.packed else lambda *a: (portable_decode.plan(*a),)
+    return plan(batch, heads, kv_heads, p.nq, call.head_dim, call.value_dim, call.paged, block_size, p, device,
+                dot_precision(call.dtype), num_splits, call.kv_dtype == FP8, call.softcap)

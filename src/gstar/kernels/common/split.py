@@ -16,6 +16,7 @@ from ...pattern import Pattern, kv_blocks
 from .. import card
 from ..launch import constexprs, launch
 from .fp8 import descale_args
+from .rule import sequence_bounds
 from .sizes import pad_head_dim
 from .softmax import sink_logit, softcap_args
 
@@ -33,33 +34,40 @@ def decode_program(Seqlens, added, group, nq, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def decode_rows(b, heads, split, rows, stride_o, stride_lse, SPLIT: tl.constexpr):
-    """Offsets of a decode program's rows (query heads ``heads``, queries ``rows``) in its outputs: the finished
-    Out (B, Hq, nq, Dv) and Lse (B, Hq, nq), strides (batch, head, row) and (batch, head), or SPLIT the partials
-    (B, Hq, splits, nq, Dv) and (B, Hq, splits, nq), strides (batch, head, split, row) and (batch, head, split):
-    ``(out_rows, lse_rows)``."""
+def decode_rows(b, heads, split, rows, q_start, stride_o, stride_lse, SPLIT: tl.constexpr):
+    """Offsets of a decode program's rows (query heads ``heads``, queries ``rows`` of sequence ``b``, whose first
+    query is row ``q_start`` of a packed batch, else 0) in its outputs: the finished Out (B, Hq, nq, Dv) and Lse
+    (B, Hq, nq), strides (batch, head, row) and (batch, head) (packed: (total_q, Hq, Dv) and (Hq, total_q),
+    strides (0, head, row) and (0, head)), or SPLIT the partials (B, Hq, splits, rows, Dv) and (B, Hq, splits,
+    rows), strides (batch, head, split, row) and (batch, head, split): ``(out_rows, lse_rows)``."""
     if SPLIT:
         return (b * stride_o[0] + heads * stride_o[1] + split * stride_o[2] + rows * stride_o[3],
                 b * stride_lse[0] + heads * stride_lse[1] + split * stride_lse[2] + rows)
-    return b * stride_o[0] + heads * stride_o[1] + rows * stride_o[2], b * stride_lse[0] + heads * stride_lse[1] + rows
+    return (b * stride_o[0] + heads * stride_o[1] + (q_start + rows) * stride_o[2],
+            b * stride_lse[0] + heads * stride_lse[1] + q_start + rows)
 
 
 @triton.jit
-def combine(Part, PartLse, Sinks, Out, Lse, stride_p, stride_pl, stride_o, stride_lse, splits,
+def combine(Part, PartLse, Sinks, CuSeqlensQ, Out, Lse, stride_p, stride_pl, stride_o, stride_lse, splits,
             VALUE_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
-    """Grid (nq, Hq, B): row ``(b, h, i)`` from its ``splits`` partials (Part: (B, Hq, splits, nq, VALUE_DIM),
-    PartLse: (B, Hq, splits, nq), float32), the learned sink (Sinks: None or (Hq,) float32) added once:
-    ``lse = log(sum_s exp(lse_s) + exp(sink))``, ``out = sum_s exp(lse_s - lse) out_s``. PDL: launched as a
-    programmatic dependent of the decode kernel, its programs wait here for that kernel's writes."""
+    """Grid (rows, Hq, B): row ``(b, h, i)`` from its ``splits`` partials (Part: (B, Hq, splits, rows,
+    VALUE_DIM), PartLse: (B, Hq, splits, rows), float32), the learned sink (Sinks: None or (Hq,) float32) added
+    once: ``lse = log(sum_s exp(lse_s) + exp(sink))``, ``out = sum_s exp(lse_s - lse) out_s``. Out and Lse as
+    :func:`decode_rows` lays them out; packed (CuSeqlensQ (B + 1,) int32), only the sequences of at most ``rows``
+    queries were split, and only theirs are merged. PDL: launched as a programmatic dependent of the decode
+    kernel, its programs wait here for that kernel's writes."""
     if PDL:
         gdc_wait()
     i = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
+    q_start, seq_q = sequence_bounds(CuSeqlensQ, b, tl.num_programs(0), CuSeqlensQ is not None)
+    ok = (i < seq_q) & (seq_q <= tl.num_programs(0))  # a row of a split sequence
+    live = tl.where(ok, splits, 0)  # the partials to read: none for another row (a vector mask, not a scalar's)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_dv = tl.arange(0, pad_head_dim(VALUE_DIM))
     lse_s = tl.load(PartLse + b * stride_pl[0] + h * stride_pl[1] + offs_s * stride_pl[2] + i,
-                    mask=offs_s < splits, other=float("-inf"))  # (SPLITS_PAD,)
+                    mask=offs_s < live, other=float("-inf"))  # (SPLITS_PAD,)
     m = tl.max(lse_s, 0)
     if Sinks is not None:
         sink = sink_logit(Sinks, h)
@@ -70,19 +78,20 @@ def combine(Part, PartLse, Sinks, Out, Lse, stride_p, stride_pl, stride_o, strid
     if Sinks is not None:
         total += tl.exp(sink - base)
     part = tl.load(Part + b * stride_p[0] + h * stride_p[1] + offs_s[:, None] * stride_p[2] + i * stride_p[3]
-                   + offs_dv[None, :], mask=(offs_s[:, None] < splits) & (offs_dv[None, :] < VALUE_DIM),
+                   + offs_dv[None, :], mask=(offs_s[:, None] < live) & (offs_dv[None, :] < VALUE_DIM),
                    other=0.0)  # (SPLITS_PAD, DV_PAD)
     out = tl.sum(part * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(Out + b * stride_o[0] + h * stride_o[1] + i * stride_o[2] + offs_dv, out.to(Out.dtype.element_ty),
-             mask=offs_dv < VALUE_DIM)
-    tl.store(Lse + b * stride_lse[0] + h * stride_lse[1] + i, tl.where(total == 0.0, float("-inf"),
-                                                                      base + tl.log(total)))
+    row = q_start + i
+    tl.store(Out + b * stride_o[0] + h * stride_o[1] + row * stride_o[2] + offs_dv, out.to(Out.dtype.element_ty),
+             mask=offs_dv < tl.where(ok, VALUE_DIM, 0))
+    tl.store(Lse + b * stride_lse[0] + h * stride_lse[1] + row, tl.where(total == 0.0, float("-inf"),
+                                                                        base + tl.log(total)), mask=ok)
 
 
 class Plan(NamedTuple):
-    """A decode step's launches, as a decode family's plan gives them: ``kernel`` on ``grid`` with its
+    """One launch of a decode step, as a decode family's plan gives it: ``kernel`` on ``grid`` with its
     constexprs ``options`` and the runtime arguments fixed by the layout (``args``, by name), then, with more
-    than one split, :func:`combine` with its constexprs ``merge``."""
+    than one split, :func:`combine` with its constexprs ``merge`` over partials of ``rows`` queries a sequence."""
 
     kernel: object
     grid: tuple[int, int, int]
@@ -90,6 +99,7 @@ class Plan(NamedTuple):
     args: dict
     options: tuple
     merge: tuple
+    rows: int
 
 
 def visible_blocks(pattern: Pattern, nq: int, block_n: int) -> int:
@@ -112,32 +122,41 @@ def merge_options(value_dim: int, splits: int, device: torch.device) -> tuple:
                       launch_pdl=pdl)
 
 
-def decode(plan: Plan, q, cache, cache_seqlens, added: int, sinks, scale: float, descale=None, out_dtype=None,
-           softcap: float = 0.0):
-    """``(out, lse)`` of a decode step under ``plan`` (shapes as :func:`gstar.kernels.dispatch.decode_forward`
-    takes them; ``cache_seqlens`` given, ``scale`` > 0): the kernel, then the merge of its splits."""
-    B, Hq, nq, D = q.shape
-    k, v = cache.k, cache.v
-    Dv = v.shape[-1]
-    out = q.new_empty((B, Hq, nq, Dv), dtype=out_dtype)
-    lse = torch.empty((B, Hq, nq), dtype=torch.float32, device=q.device)
-    if plan.splits == 1:  # the kernel writes the rows, the learned sink included
-        target, target_lse, kernel_sinks = out, lse, sinks
-    else:  # each split its partial rows, merged by combine
-        target = torch.empty((B, Hq, plan.splits, nq, Dv), dtype=torch.float32, device=q.device)
-        target_lse = torch.empty((B, Hq, plan.splits, nq), dtype=torch.float32, device=q.device)
-        kernel_sinks = None
-    stride_o, stride_lse = tuple(target.stride()[:target.dim() - 1]), tuple(target_lse.stride()[:target_lse.dim() - 1])
-    table = cache.block_table
-    launch(plan.kernel, plan.grid, {
-        **plan.args, "Q": q, "K": k, "V": v, "BlockTable": table, "Seqlens": cache_seqlens, "Sinks": kernel_sinks,
-        "Out": target, "Lse": target_lse, "stride_q": tuple(q.stride()[:3]), "stride_k": tuple(k.stride()[:3]),
-        "stride_v": tuple(v.stride()[:3]), "stride_bt": table.stride(0) if cache.paged else 0, "stride_o": stride_o,
-        "stride_lse": stride_lse, "added": added, **softcap_args(scale, softcap), **descale_args(descale)},
-        plan.options)
-    if plan.splits > 1:
-        launch(combine, (nq, Hq, B), {"Part": target, "PartLse": target_lse, "Sinks": sinks, "Out": out, "Lse": lse,
-                                      "stride_p": stride_o, "stride_pl": stride_lse,
-                                      "stride_o": tuple(out.stride()[:3]), "stride_lse": tuple(lse.stride()[:2]),
-                                      "splits": plan.splits}, plan.merge)
+def decode(plans: tuple[Plan, ...], q, cache, cache_seqlens, added: int, sinks, scale: float, descale=None,
+           out_dtype=None, softcap: float = 0.0, cu_seqlens_q=None):
+    """``(out, lse)`` of a decode step under ``plans`` (shapes as :func:`gstar.kernels.dispatch.decode_forward`
+    takes them; ``cache_seqlens`` given, ``scale`` > 0): each launch, then the merge of its splits. Dense q (B,
+    Hq, nq, D) gives out (B, Hq, nq, Dv) and lse (B, Hq, nq); packed q (total_q, Hq, D) with ``cu_seqlens_q``
+    gives out (total_q, Hq, Dv) and lse (Hq, total_q)."""
+    packed = cu_seqlens_q is not None
+    Hq, Dv = q.shape[-2 if packed else 1], cache.v.shape[-1]
+    if packed:  # a packed row's offset: (q_start + row) * its stride, no batch term
+        out = q.new_empty((q.shape[0], Hq, Dv), dtype=out_dtype)                     # (total_q, Hq, Dv)
+        lse = torch.empty((Hq, q.shape[0]), dtype=torch.float32, device=q.device)    # (Hq, total_q)
+        stride_q, stride_out, stride_lse = (0, q.stride(1), q.stride(0)), (0, out.stride(1), out.stride(0)), (
+            0, lse.stride(0))
+    else:
+        out = q.new_empty((*q.shape[:3], Dv), dtype=out_dtype)                        # (B, Hq, nq, Dv)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)          # (B, Hq, nq)
+        stride_q, stride_out, stride_lse = tuple(q.stride()[:3]), tuple(out.stride()[:3]), tuple(lse.stride()[:2])
+    B, k, v, table = cache_seqlens.shape[0], cache.k, cache.v, cache.block_table
+    common = {"Q": q, "K": k, "V": v, "BlockTable": table, "Seqlens": cache_seqlens, "CuSeqlensQ": cu_seqlens_q,
+              "stride_q": stride_q, "stride_k": tuple(k.stride()[:3]), "stride_v": tuple(v.stride()[:3]),
+              "stride_bt": table.stride(0) if cache.paged else 0, "added": added, **softcap_args(scale, softcap),
+              **descale_args(descale)}
+    for plan in plans:
+        if plan.splits == 1:  # the kernel writes the rows, the learned sink included
+            launch(plan.kernel, plan.grid, {**plan.args, **common, "Sinks": sinks, "Out": out, "Lse": lse,
+                                            "stride_o": stride_out, "stride_lse": stride_lse}, plan.options)
+            continue
+        # each split its partial rows, merged by combine
+        part = torch.empty((B, Hq, plan.splits, plan.rows, Dv), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((B, Hq, plan.splits, plan.rows), dtype=torch.float32, device=q.device)
+        stride_p, stride_pl = tuple(part.stride()[:4]), tuple(part_lse.stride()[:3])
+        launch(plan.kernel, plan.grid, {**plan.args, **common, "Sinks": None, "Out": part, "Lse": part_lse,
+                                        "stride_o": stride_p, "stride_lse": stride_pl}, plan.options)
+        launch(combine, (plan.rows, Hq, B), {"Part": part, "PartLse": part_lse, "Sinks": sinks,
+                                             "CuSeqlensQ": cu_seqlens_q, "Out": out, "Lse": lse, "stride_p": stride_p,
+                                             "stride_pl": stride_pl, "stride_o": stride_out,
+                                             "stride_lse": stride_lse, "splits": plan.splits}, plan.merge)
     return out, lse

@@ -26,16 +26,17 @@ from triton.language.extra.cuda import gdc_launch_dependents
 
 from ...pattern import Pattern, cdiv
 from ..common.fp8 import half_queries, load_descales
-from ..common.rule import bounds, mask, rule
+from ..common.rule import bounds, mask, rule, sequence_bounds
 from ..common.sizes import pad_head_dim
 from ..common.softmax import finish_state, softcapped, softmax_step, start_state
 from ..common.split import Plan, decode_program, decode_rows, early_combine, merge_options, visible_blocks
-from ..common.walk import ALL_ROWS, block_at, kv_blocks, steps
+from ..common.walk import block_at, kv_blocks, steps
 from .. import card
 from ..launch import constexprs
 
 MAX_TILE_ROWS = 128  # stacked rows (group x queries) a program holds; more take further row tiles
 MAX_SPLITS = 64
+SHORT_QUERIES = 4  # a packed step's sequences of at most this many queries split their keys (packed_plans)
 SPLIT_KEYS = 2048  # keys one split walks at most (while MAX_SPLITS allows): 32 tiles of 64
 PAGED_REGISTERS = 64  # per thread: a paged 16-bit cache's kernel on Hopper, 16 rows of narrow heads
 
@@ -104,41 +105,55 @@ def _fold_steps(acc, m_i, l_i, q, rows, i_lo, i_hi, cache, blocks, rule, scores,
 
 
 # lengths, bounds and row counts change between calls: specialising on them would recompile a decode loop
-@triton.jit(do_not_specialize=["nq", "group", "added", "left", "right", "sink_tokens", "chunk", "page_size"])
-def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, QDescale, KDescale, VDescale,
+@triton.jit(do_not_specialize=["nq", "group", "added", "short_q", "left", "right", "sink_tokens", "chunk",
+                               "page_size"])
+def _decode(Q, K, V, BlockTable, Seqlens, CuSeqlensQ, Sinks, Out, Lse, QDescale, KDescale, VDescale,
             stride_q, stride_k, stride_v, stride_bt, stride_o, stride_lse,
-            nq, group, added, left, right, sink_tokens, chunk, page_size, qk_scale, softcap, stride_ds,
+            nq, group, added, short_q, left, right, sink_tokens, chunk, page_size, qk_scale, softcap, stride_ds,
             HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-            PAGED: tl.constexpr, SPLIT: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
-            PTX_WIDEN: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr):
-    """Q: (B, Hq, nq, HEAD_DIM); K, V: contiguous (B, Hkv, Nmax, HEAD_DIM / VALUE_DIM) or, with PAGED, (pages,
-    page_size, Hkv, ...) read through BlockTable (B, max_blocks) int32; Seqlens: (B,) int32, a sequence's keys
-    before the ``added`` appended ones; Sinks: None or (Hq,) float32 (used when not SPLIT).
-    Not SPLIT: Out (B, Hq, nq, VALUE_DIM) in Q's dtype, Lse (B, Hq, nq) float32, strides (batch, head, row)
-    and (batch, head). SPLIT: Out (B, Hq, splits, nq, VALUE_DIM) and Lse (B, Hq, splits, nq) float32, strides
-    (batch, head, split, row) and (batch, head, split): this program's partial, LSE -inf where it saw no key.
-    stride_q, stride_k, stride_v: (batch, head, row), or (page, row, head) for a paged cache.
-    qk_scale, softcap and SOFTCAP: the score factors of :func:`softcap_args` (qk_scale > 0). An FP8 cache
-    (float8_e4m3fn K, V; Q FP8 too, or 16-bit and its keys widened to Q's dtype): QDescale, KDescale, VDescale
-    and ``stride_ds`` the descales as :func:`load_descales` takes them, else None; PTX_WIDEN as
-    :func:`_widen_values` takes it.
+            TILE_QUERIES: tl.constexpr, SERVES: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
+            MASK: tl.constexpr, PRECISION: tl.constexpr, PTX_WIDEN: tl.constexpr, SOFTCAP: tl.constexpr,
+            PDL: tl.constexpr):
+    """Q: (B, Hq, nq, HEAD_DIM), or packed (total_q, Hq, HEAD_DIM) with CuSeqlensQ (B + 1,) int32 (sequence
+    ``b``'s queries are rows ``CuSeqlensQ[b] .. CuSeqlensQ[b + 1]``, at most ``nq``); K, V: contiguous (B, Hkv,
+    Nmax, HEAD_DIM / VALUE_DIM) or, with PAGED, (pages, page_size, Hkv, ...) read through BlockTable (B,
+    max_blocks) int32; Seqlens: (B,) int32, a sequence's keys before the ``added`` appended ones; Sinks: None
+    or (Hq,) float32 (used when not SPLIT). SERVES: which sequences this launch takes, ``"all"``, ``"short"``
+    (at most ``short_q`` queries) or ``"long"`` (more): a packed step's two launches share its batch.
+    Not SPLIT: Out (B, Hq, nq, VALUE_DIM) in Q's dtype and Lse (B, Hq, nq) float32, strides (batch, head, row)
+    and (batch, head); packed, Out (total_q, Hq, VALUE_DIM) and Lse (Hq, total_q), strides (0, head, row) and
+    (0, head). SPLIT: Out (B, Hq, splits, rows, VALUE_DIM) and Lse (B, Hq, splits, rows) float32 (``rows`` the
+    most queries a split sequence holds), strides (batch, head, split, row) and (batch, head, split): this
+    program's partial, LSE -inf where it saw no key.
+    stride_q: (batch, head, row), packed (0, head, row); stride_k, stride_v: (batch, head, row), or (page, row,
+    head) for a paged cache. qk_scale, softcap and SOFTCAP: the score factors of :func:`softcap_args` (qk_scale
+    > 0). An FP8 cache (float8_e4m3fn K, V; Q FP8 too, or 16-bit and its keys widened to Q's dtype): QDescale,
+    KDescale, VDescale and ``stride_ds`` the descales as :func:`load_descales` takes them, else None; PTX_WIDEN
+    as :func:`_widen_values` takes it.
     PDL: :func:`combine` may launch once every program has walked its keys (programmatic dependent launch).
     """
     D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
     DV_PAD: tl.constexpr = pad_head_dim(VALUE_DIM)
     split, splits, hkv, tile, b, nk = decode_program(Seqlens, added, group, nq, BLOCK_R)
+    q_start, seq_q = sequence_bounds(CuSeqlensQ, b, nq, CuSeqlensQ is not None)
+    if SERVES == "short":
+        seq_q = tl.where(seq_q <= short_q, seq_q, 0)
+    elif SERVES == "long":
+        seq_q = tl.where(seq_q > short_q, seq_q, 0)
     if SOFTCAP:  # the descales scale the raw scores, inside the tanh
         softcap, v_descale = load_descales(QDescale, KDescale, VDescale, b, hkv, stride_ds, softcap)
     else:
         qk_scale, v_descale = load_descales(QDescale, KDescale, VDescale, b, hkv, stride_ds, qk_scale)
 
-    offs_r = tile * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,) stacked rows of the group
-    real = offs_r < group * nq
-    heads = (hkv * group + tl.where(real, offs_r, 0) // nq).to(tl.int64)
-    rows = tl.where(real, offs_r, 0) % nq  # query index of each stacked row
+    # stacked rows query-major (row r: query r // group, head hkv * group + r % group), so that a tile of a long
+    # run of queries holds consecutive ones and walks only the keys they see
+    offs_r = tile * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,)
+    real = offs_r < group * seq_q
+    heads = (hkv * group + tl.where(real, offs_r, 0) % group).to(tl.int64)
+    rows = tl.where(real, offs_r, 0) // group  # query index of each stacked row
     offs_d = tl.arange(0, D_PAD)
     offs_dv = tl.arange(0, DV_PAD)
-    q_rows = b * stride_q[0] + heads * stride_q[1] + rows * stride_q[2]
+    q_rows = b * stride_q[0] + heads * stride_q[1] + (q_start + rows) * stride_q[2]
     q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=real[:, None] & (offs_d[None, :] < HEAD_DIM),
                 other=0.0)  # (BLOCK_R, D_PAD)
     if K.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:  # an FP8 cache: Q K^T in float16
@@ -153,9 +168,10 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, QDescale, KDescale, V
     else:
         acc, m_i, l_i = start_state(Sinks, heads, VALUE_DIM)
 
-    seq_rule = rule(nq, nk, left, right, sink_tokens, chunk, None, MASK)
-    blocks = kv_blocks(seq_rule, 0, ALL_ROWS, BLOCK_N)
+    seq_rule = rule(seq_q, nk, left, right, sink_tokens, chunk, None, MASK)
+    blocks = kv_blocks(seq_rule, tile * BLOCK_R // group, TILE_QUERIES, BLOCK_N)
     whole, whole_end, count = steps(blocks)  # masked steps, whole ones from ``whole``, masked from ``whole_end``
+    count = tl.where(tile * BLOCK_R < group * seq_q, count, 0)  # a tile past its sequence's rows walks nothing
     per = tl.cdiv(count, splits)
     lo, hi = split * per, tl.minimum(split * per + per, count)  # this split's share
     cache = (K, V, BlockTable, b, hkv, stride_k, stride_v, stride_bt, page_size)
@@ -185,7 +201,7 @@ def _decode(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, QDescale, KDescale, V
         acc = acc * v_descale
     out, lse = finish_state(acc, m_i, l_i)  # (BLOCK_R, DV_PAD), (BLOCK_R,)
     value_ok = real[:, None] & (offs_dv[None, :] < VALUE_DIM)
-    o_rows, lse_rows = decode_rows(b, heads, split, rows, stride_o, stride_lse, SPLIT)
+    o_rows, lse_rows = decode_rows(b, heads, split, rows, q_start, stride_o, stride_lse, SPLIT)
     tl.store(Out + o_rows[:, None] + offs_dv[None, :], out.to(Out.dtype.element_ty), mask=value_ok)
     tl.store(Lse + lse_rows, lse, mask=real)
 
@@ -216,15 +232,12 @@ def default_splits(programs: int, visible: int, block_n: int, device: torch.devi
     return max(1, min(max(fill, cdiv(visible * block_n, SPLIT_KEYS)), MAX_SPLITS))
 
 
-@functools.lru_cache(maxsize=256)
-def plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: bool, block_size: int, pattern: Pattern,
-         device: torch.device, precision: str, num_splits: int | None, fp8: bool, softcap: bool = False) -> Plan:
-    """The launch of a decode step with this kernel (``block_size``: a paged cache's, else 0; ``pattern``: at the
-    cache's capacity; ``precision``: :func:`gstar.kernels.portable.tiles.dot_precision` of q's dtype;
-    ``num_splits``: the caller's, or None; ``softcap``: whether the scores are soft-capped)."""
-    group = Hq // Hkv
+def _plan(B: int, Hkv: int, group: int, nq: int, D: int, Dv: int, block_r: int, paged: bool, block_size: int,
+          pattern: Pattern, device: torch.device, precision: str, num_splits: int | None, fp8: bool, softcap: bool,
+          serves: str = "all", short_q: int = 0) -> Plan:
+    """One launch of this kernel over ``B`` sequences of at most ``nq`` queries, ``block_r`` stacked rows a
+    program (``serves``, ``short_q``: the sequences it takes, as ``_decode`` reads them)."""
     width = pad_head_dim(D) + pad_head_dim(Dv)
-    block_r = stacked_rows(group * nq, width)
     block_n = block_keys(paged, block_size, width, fp8)
     row_tiles = cdiv(group * nq, block_r)
     visible = visible_blocks(pattern, nq, block_n)
@@ -235,9 +248,43 @@ def plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: bool, block
     # where the compiler's 80 fit six, more block-table lookups in flight
     capped = major == 9 and paged and not fp8 and block_r <= 16 and width <= 128
     cap = {"maxnreg": PAGED_REGISTERS} if capped else {}
-    args = dict(nq=nq, group=group, **bounds(pattern), page_size=block_size if paged else 1)
+    args = dict(nq=nq, group=group, short_q=short_q, **bounds(pattern), page_size=block_size if paged else 1)
     return Plan(_decode, (splits, Hkv * row_tiles, B), splits, args, constexprs(
-        HEAD_DIM=D, VALUE_DIM=Dv, BLOCK_R=block_r, BLOCK_N=block_n, PAGED=paged, SPLIT=splits > 1,
-        MASK=mask(pattern), PRECISION=precision, PTX_WIDEN=fp8 and card.nvidia(device), SOFTCAP=softcap,
-        PDL=early_combine(device), num_warps=4, num_stages=stages, **cap),
-        merge_options(Dv, splits, device))
+        HEAD_DIM=D, VALUE_DIM=Dv, BLOCK_R=block_r, BLOCK_N=block_n, TILE_QUERIES=cdiv(block_r, group) + 1,
+        SERVES=serves, PAGED=paged, SPLIT=splits > 1, MASK=mask(pattern), PRECISION=precision,
+        PTX_WIDEN=fp8 and card.nvidia(device), SOFTCAP=softcap, PDL=early_combine(device), num_warps=4,
+        num_stages=stages, **cap),
+        merge_options(Dv, splits, device), nq)
+
+
+@functools.lru_cache(maxsize=256)
+def plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: bool, block_size: int, pattern: Pattern,
+         device: torch.device, precision: str, num_splits: int | None, fp8: bool, softcap: bool = False) -> Plan:
+    """The launch of a decode step with this kernel (``block_size``: a paged cache's, else 0; ``pattern``: at the
+    cache's capacity; ``precision``: :func:`gstar.kernels.portable.tiles.dot_precision` of q's dtype;
+    ``num_splits``: the caller's, or None; ``softcap``: whether the scores are soft-capped)."""
+    group = Hq // Hkv
+    block_r = stacked_rows(group * nq, pad_head_dim(D) + pad_head_dim(Dv))
+    return _plan(B, Hkv, group, nq, D, Dv, block_r, paged, block_size, pattern, device, precision, num_splits, fp8,
+                 softcap)
+
+
+@functools.lru_cache(maxsize=256)
+def packed_plans(B: int, Hq: int, Hkv: int, max_q: int, D: int, Dv: int, paged: bool, block_size: int,
+                 pattern: Pattern, device: torch.device, precision: str, num_splits: int | None, fp8: bool,
+                 softcap: bool = False) -> tuple[Plan, ...]:
+    """The launches of a packed step (``B`` sequences of 0 to ``max_q`` queries each, arguments as :func:`plan`
+    takes them, ``pattern`` at ``max_q`` queries): the sequences of at most ``SHORT_QUERIES`` queries (as many as
+    one program's rows hold: decode tokens, a few drafts) split their keys over programs; the longer ones (prefill
+    chunks) walk them in tiles of consecutive queries, one program per tile. Each launch spans the whole batch and
+    skips the other's sequences on the device, so the mix may change from step to step without a sync."""
+    group = Hq // Hkv
+    width = pad_head_dim(D) + pad_head_dim(Dv)
+    short_rows = stacked_rows(group * min(max_q, SHORT_QUERIES), width)
+    short_q = min(short_rows // group, max_q)
+    short = (_plan(B, Hkv, group, short_q, D, Dv, short_rows, paged, block_size, pattern.resized(short_q, pattern.nk),
+                   device, precision, num_splits, fp8, softcap, "short", short_q),) if short_q else ()
+    if max_q <= short_q:
+        return short
+    return short + (_plan(B, Hkv, group, max_q, D, Dv, stacked_rows(group * max_q, width), paged, block_size, pattern,
+                          device, precision, 1, fp8, softcap, "long", short_q),)

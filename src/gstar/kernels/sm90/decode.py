@@ -307,7 +307,7 @@ def _decode_sm90(Q, K, V, BlockTable, Seqlens, Sinks, Out, Lse, QDescale, KDesca
     out, lse = finish_state(acc, m_i, l_i)  # (BLOCK_R, VALUE_DIM), (BLOCK_R,)
     offs_n = gl.arange(0, VALUE_DIM, layout=gl.SliceLayout(0, mma))
     column = (offs_n % 8) * (VALUE_DIM // 8) + offs_n // 8  # where P V's column n is stored (_value_order)
-    o_rows, lse_rows = decode_rows(b, heads, split, rows, stride_o, stride_lse, SPLIT)
+    o_rows, lse_rows = decode_rows(b, heads, split, rows, 0, stride_o, stride_lse, SPLIT)
     gl.store(Out + o_rows[:, None] + column[None, :], out.to(Out.dtype.element_ty), mask=real[:, None])
     gl.store(Lse + lse_rows, lse, mask=real)
 
@@ -359,4 +359,4 @@ def plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: bool, block
     return Plan(_decode_sm90, (n, Hkv, B), n, dict(nq=nq, group=Hq // Hkv, **bounds(pattern)), constexprs(
         HEAD_DIM=D, VALUE_DIM=Dv, SPLIT=n > 1, MASK=mask(pattern), KEY_WORDS=(Hkv * D if paged else D) // 4,
         PAGE=block_size if paged else 0, LINES=lines(paged, visible * BLOCK_N.value, n), num_warps=1,
-        maxnreg=REGISTERS), merge_options(Dv, n, device))
+        maxnreg=REGISTERS), merge_options(Dv, n, device), nq)
