@@ -74,6 +74,21 @@ Bidirectional token blocks (Gemma 3's image tokens, PaliGemma's prefix, marked b
 mask function as a blockwise overlay; their block ids become gstar's ``spans`` (a block's tokens see each other
 both ways; a sliding layer's window still bounds how far back a query looks, as transformers intersects it),
 through plain and padded batches alike.
+
+Continuous batching (``model.generate_batch``, ``model.init_continuous_batching``): a model on ``"gstar"`` (or
+``"gstar_nondeterministic"``) runs it as it is. transformers' manager takes only ``"sdpa"``, ``"paged|eager"`` and
+names holding "flash" (these get no mask, the requests described by ``cu_seq_lens``), and sends any name holding
+"flash" to its flash-attn loader; so :func:`register` wraps the manager's switch of implementation to put such a
+model on :data:`PAGED` (``"gstar_paged_flash"``, the same attention function) for the batch and back on its own
+name after. Each step packs its requests in one row, some prefilling, some decoding a token; the paged cache
+writes the new keys and hands back each request's keys (a sliding layer's last ``W - 1`` beside the new ones,
+``cu_seq_lens_k`` by layer type, of which the attention function takes this layer's entry), and
+:func:`gstar.flash_attention_varlen` attends the queries as each request's last keys, windows, sinks and
+soft-capping applied as above. A decode step on transformers' block table (its fast path, which transformers
+enables for flash-attn 2 / 3 on CUDA) appends the new token into the layer's paged cache ``(num_pages,
+page_size, Hkv, D)`` and attends through :func:`gstar.flash_attention_with_kvcache`; pages must hold a multiple
+of 16 tokens (``ContinuousBatchingConfig(page_size=...)``, 256 by default). Rows a CUDA graph pads past the
+last request come out unset, as flash-attn leaves them.
 """
 
 from __future__ import annotations
@@ -98,12 +113,14 @@ except ImportError:  # releases without it build no mask functions
     _MASKS = None
 
 from ..api import check_cu_seqlens_values, flash_attention, flash_attention_varlen
+from ..checks import capturing as _capturing
 from ..distributed import context as context_parallel
 from ..kvcache import flash_attention_with_kvcache
 from ..varlen import cu_seqlens_from_mask, cu_seqlens_from_position_ids, pad, unpad
 
 NAME = "gstar"
 NONDETERMINISTIC = "gstar_nondeterministic"
+PAGED = "gstar_paged_flash"  # the name a model takes inside continuous batching (see _continuous_batching_switch)
 
 
 class _Plans:
@@ -156,7 +173,7 @@ def _options(module, dropout, sliding_window, softcap, is_causal):
                          f"while training): set the config's attention_dropout to 0.0, or use "
                          f"attn_implementation='eager'")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
-    opts = dict(causal=causal, window=(-1, -1), softcap=float(softcap or 0.0), chunk=_layer_chunk(module))
+    opts = {"causal": causal, "window": (-1, -1), "softcap": float(softcap or 0.0), "chunk": _layer_chunk(module)}
     if sliding_window:
         # HF's sliding_window=W lets a query see itself and W - 1 keys before it (and after, when bidirectional)
         left = int(sliding_window) - 1
@@ -251,21 +268,70 @@ def _max_length(given, cu):
     return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
 
 
-def _flattened_plan(cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, device, total_q, total_k, check):
+def _flattened_plan(cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, device, total_q, total_k, check,
+                    padded=False):
     """``(cu_q, cu_k, max_q, max_k)`` of a flattened batch's given boundaries, as int32 on ``device``;
     with ``check`` their values are checked (the one device sync) and must cover ``total_q`` / ``total_k``
-    rows."""
+    rows, or, ``padded`` (a continuous batch padded to a CUDA graph's static shape), at most as many: the
+    rows past the last offsets belong to no sequence and come out unset, as flash-attn leaves them."""
     cu_q, cu_k = (cu.to(device=device, dtype=torch.int32) for cu in (cu_seq_lens_q, cu_seq_lens_k))
     max_q, max_k = _max_length(max_length_q, cu_q), _max_length(max_length_k, cu_k)
     if check:
+        if padded:
+            ends = torch.stack((cu_q[-1], cu_k[-1])).tolist()
+            for name, end, total in (("cu_seq_lens_q", ends[0], total_q), ("cu_seq_lens_k", ends[1], total_k)):
+                if end > total:
+                    raise ValueError(f"{name} ends at {end}, past the {total} rows the layer gets")
+            total_q, total_k = ends
         check_cu_seqlens_values(cu_q, cu_k, total_q, total_k, max_q, max_k)
     return cu_q, cu_k, max_q, max_k
+
+
+def _layer_entry(value, module):
+    """This layer's entry of a per-layer-type dict (continuous batching's ``cu_seq_lens_k`` / ``max_length_k`` of
+    a model mixing sliding and full layers), picked by ``config.layer_types[layer_idx]`` as transformers' paged
+    cache picks it; anything else as it is."""
+    if not isinstance(value, dict):
+        return value
+    config, layer = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    types = getattr(config, "layer_types", None)
+    kind = types[layer] if types and layer is not None and 0 <= layer < len(types) else "full_attention"
+    if kind not in value:
+        if len(value) != 1:
+            raise ValueError(f"gstar attention got continuous batching lengths for the layer types {sorted(value)}, "
+                             f"none of them this layer's ({kind!r})")
+        kind = next(iter(value))
+    return value[kind]
+
+
+def _paged_decode(query, key, value, k_cache, v_cache, block_table, cu_seq_lens_k, **opts):
+    """Continuous batching's decode step on a block table (transformers hands it to flash-attn kernels that append
+    and attend): one new token per sequence, query ``(1, Hq, B, D)``, its key and value ``(1, Hkv, B, D)``, the
+    layer's paged cache ``(num_pages, page_size, Hkv, D)`` and ``block_table`` ``(B, max_pages)``; each sequence's
+    keys, new one included, number ``cu_seq_lens_k[b + 1] - cu_seq_lens_k[b]``. The token is written into the
+    cache and attended to by :func:`gstar.flash_attention_with_kvcache` -> ``(1, B, Hq, Dv)``."""
+    if query.shape[0] != 1 or query.shape[2] != key.shape[2]:
+        raise ValueError(f"gstar attention takes a block-table (paged decode) batch as one packed row of one new "
+                         f"token per sequence, got queries {tuple(query.shape)} and keys {tuple(key.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape[2] != key.shape[1] or k_cache.shape[3] != key.shape[3]:
+        raise ValueError(f"gstar attention takes a paged cache laid out (num_pages, page_size, kv_heads, head_dim) "
+                         f"= (-, -, {key.shape[1]}, {key.shape[3]}), got {tuple(k_cache.shape)}")
+    if k_cache.shape[1] % 16:
+        raise ValueError(f"gstar's paged cache takes pages of a multiple of 16 tokens, got page_size="
+                         f"{k_cache.shape[1]}: set ContinuousBatchingConfig(page_size=...) to a multiple of 16")
+    batch = query.shape[2]
+    cu = cu_seq_lens_k.to(device=query.device, dtype=torch.int32)
+    cache_seqlens = (cu[1:batch + 1] - cu[:batch] - 1).contiguous()  # keys held before this token
+    q, k, v = (x.transpose(0, 2) for x in (query, key, value))       # (B, H, 1, D) views
+    out = flash_attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
+                                       block_table=block_table.to(torch.int32), **opts)   # (B, Hq, 1, Dv)
+    return out.transpose(0, 2).transpose(1, 2)                       # (1, B, Hq, Dv)
 
 
 def gstar_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                             sliding_window=None, softcap=None, is_causal=None, s_aux=None, position_ids=None,
                             cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None,
-                            deterministic=None, **kwargs):
+                            deterministic=None, block_table=None, k_cache=None, v_cache=None, **kwargs):
     """transformers attention function backed by gstar (registered as ``"gstar"``).
 
     Args:
@@ -287,7 +353,12 @@ def gstar_attention_forward(module, query, key, value, attention_mask, scaling=N
         s_aux: ``(Hq,)`` learned sink logits (GPT-OSS), gstar ``sinks``; gradients flow to them.
         position_ids: ``(B, N)`` or ``(1, N)``; ids restarting at 0 inside a row mark packed documents.
         cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k: document boundaries of a flattened batch
-            (from e.g. ``DataCollatorWithFlattening``); take precedence over position ids.
+            (from e.g. ``DataCollatorWithFlattening``, or continuous batching's packed requests, whose
+            ``cu_seq_lens_k`` / ``max_length_k`` may be dicts by layer type: this layer's entry is taken); take
+            precedence over position ids.
+        block_table, k_cache, v_cache: continuous batching's decode step on a block table: the layer's paged
+            cache ``(num_pages, page_size, Hkv, D)`` into which the new tokens' keys and values are appended,
+            attended by :func:`gstar.flash_attention_with_kvcache`.
         deterministic: :func:`gstar.flash_attention`'s flag for a plain batch (None: True, gstar's default;
             packed, padded and cached batches have only the deterministic backward).
         kwargs: whatever else the model forwards (ignored).
@@ -297,6 +368,18 @@ def gstar_attention_forward(module, query, key, value, attention_mask, scaling=N
     """
     opts = _options(module, dropout, sliding_window, softcap, is_causal)
     causal = opts["causal"]
+    cu_seq_lens_k, max_length_k = _layer_entry(cu_seq_lens_k, module), _layer_entry(max_length_k, module)
+    # continuous batching (transformers' PagedAttentionCache): its requests packed in one row
+    paged = kwargs.get("write_index") is not None or block_table is not None
+    if block_table is not None or k_cache is not None or v_cache is not None:
+        if block_table is None or k_cache is None or v_cache is None or cu_seq_lens_k is None:
+            raise ValueError("gstar attention needs block_table, k_cache, v_cache and cu_seq_lens_k together for a "
+                             "paged decode step")
+        if attention_mask is not None or context_parallel.active() is not None:
+            raise ValueError("gstar attention takes a paged decode step without an attention mask and outside "
+                             "gstar.distributed.context_parallel")
+        return _paged_decode(query, value=value, key=key, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
+                             cu_seq_lens_k=cu_seq_lens_k, sinks=s_aux, scale=scaling, **opts), None
     documents = spans = None
     if isinstance(attention_mask, _Documents):
         documents, attention_mask = attention_mask, None
@@ -334,13 +417,14 @@ def gstar_attention_forward(module, query, key, value, attention_mask, scaling=N
             raise ValueError("gstar attention needs both cu_seq_lens_q and cu_seq_lens_k for a flattened batch")
         given = (cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, query.device,
                  query.shape[0] * query.shape[2], key.shape[0] * key.shape[2])
-        if torch.compiler.is_compiling():  # a graph can neither read the values nor cache on identity
+        if torch.compiler.is_compiling() or _capturing(query.device):
+            # a graph can neither read the values nor cache on identity
             plan = _flattened_plan(*given, check=False)
         else:  # checked once per batch, then reused by every layer
             lengths = (max_length_q, max_length_k)
             tensors = (cu_seq_lens_q, cu_seq_lens_k) + tuple(m for m in lengths if isinstance(m, torch.Tensor))
-            plan_key = ("cu", *(None if isinstance(m, torch.Tensor) else m for m in lengths), *given[4:])
-            plan = _plans.get(tensors, plan_key, lambda: _flattened_plan(*given, check=True))
+            plan_key = ("cu", *(None if isinstance(m, torch.Tensor) else m for m in lengths), *given[4:], paged)
+            plan = _plans.get(tensors, plan_key, lambda: _flattened_plan(*given, check=True, padded=paged))
         out = _packed(query, key, value, *plan, **opts)
     elif documents is not None:
         if query.shape[2] != key.shape[2]:
@@ -569,13 +653,57 @@ def gstar_nondeterministic_attention_forward(*args, deterministic=None, **kwargs
     return gstar_attention_forward(*args, deterministic=False if deterministic is None else deterministic, **kwargs)
 
 
+def _set_implementation(model, name: str, names) -> None:
+    """Write attention implementation ``name`` into the configs of ``model`` and its sub-models whose
+    implementation is one of ``names``, as they are: ``set_attn_implementation`` would send a name holding
+    "flash" to transformers' flash-attn loader, which knows no registered functions."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "_attn_implementation", None) in names:
+            config._attn_implementation_internal = name
+
+
+def _continuous_batching_switch(switch):
+    """Wrap ``ContinuousBatchingManager.switch_to_cb_friendly_attn``, which accepts ``"sdpa"``, ``"paged|eager"``
+    and names holding "flash" (batches without masks, packed requests described by ``cu_seq_lens``) and would
+    replace or reject ``"gstar"``: a model on ``"gstar"`` or ``"gstar_nondeterministic"`` runs the batch on
+    :data:`PAGED`, the same attention function under a name continuous batching treats as flash attention's
+    (no masks built, the cache sized for grouped kv heads); stopping the manager restores the model's own."""
+    def switch_to_cb_friendly_attn(self, model, *args, **kwargs):
+        own = model.config._attn_implementation
+        if own not in (NAME, NONDETERMINISTIC):
+            return switch(self, model, *args, **kwargs)
+        _set_implementation(model, PAGED, (NAME, NONDETERMINISTIC))
+        self._original_attn_impl = own
+        return None
+
+    switch_to_cb_friendly_attn.__doc__ = switch.__doc__
+    switch_to_cb_friendly_attn.gstar_wrapped = switch
+    return switch_to_cb_friendly_attn
+
+
+def _register_continuous_batching():
+    try:
+        from transformers.generation.continuous_batching.continuous_api import (
+            ContinuousBatchingManager,
+        )
+    except ImportError:  # releases without continuous batching, or with an older manager
+        return
+    switch = getattr(ContinuousBatchingManager, "switch_to_cb_friendly_attn", None)
+    if switch is not None and not hasattr(switch, "gstar_wrapped"):
+        ContinuousBatchingManager.switch_to_cb_friendly_attn = _continuous_batching_switch(switch)
+
+
 def register():
-    """Register ``"gstar"`` and ``"gstar_nondeterministic"`` with transformers' attention and mask interfaces
+    """Register ``"gstar"``, ``"gstar_nondeterministic"`` and the continuous-batching name :data:`PAGED` with
+    transformers' attention and mask interfaces, and let continuous batching run models on ``"gstar"``
     (idempotent)."""
     for name, attention in ((NAME, gstar_attention_forward),
-                            (NONDETERMINISTIC, gstar_nondeterministic_attention_forward)):
+                            (NONDETERMINISTIC, gstar_nondeterministic_attention_forward),
+                            (PAGED, gstar_attention_forward)):
         AttentionInterface.register(name, attention)
         AttentionMaskInterface.register(name, gstar_mask)
+    _register_continuous_batching()
 
 
 register()
