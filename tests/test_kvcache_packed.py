@@ -147,6 +147,20 @@ def test_triton_groups_and_value_dim(heads):
     assert relative_error(lse, ref_lse) < FLOAT32
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tier: the interpreter on CPU tensors")
+@pytest.mark.parametrize("heads", [(6, 2), (6, 3)], ids=["group3", "group2"])
+def test_triton_long_sequences_find_their_slots(heads):
+    """Several long sequences of several tiles each between query-less ones: every tile of the long launch's
+    grid finds its sequence (the slots' bisection), none is walked twice or skipped."""
+    q, k_cache, v_cache, kwargs, sequences = make_case(counts=(0, 30, 0, 0, 17, 6, 0, 41), block_size=16,
+                                                       pattern=dict(causal=True), learned_sinks=False,
+                                                       append=True, heads=heads, dtype=torch.float32)
+    out, lse = gstar.flash_attention_with_kvcache(q, k_cache, v_cache, return_lse=True, backend="triton", **kwargs)
+    ref_out, ref_lse = oracle(sequences, _pattern_of(kwargs), kwargs["sinks"])
+    assert relative_error(out, ref_out) < FLOAT32
+    assert relative_error(lse, ref_lse) < FLOAT32
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_larger_max_seqlen_q_changes_nothing(backend, device):
     """max_seqlen_q is a bound (the launch's size): a looser one gives the same result, bit for bit."""

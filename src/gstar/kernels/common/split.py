@@ -91,7 +91,9 @@ def combine(Part, PartLse, Sinks, CuSeqlensQ, Out, Lse, stride_p, stride_pl, str
 class Plan(NamedTuple):
     """One launch of a decode step, as a decode family's plan gives it: ``kernel`` on ``grid`` with its
     constexprs ``options`` and the runtime arguments fixed by the layout (``args``, by name), then, with more
-    than one split, :func:`combine` with its constexprs ``merge`` over partials of ``rows`` queries a sequence."""
+    than one split, :func:`combine` with its constexprs ``merge`` over partials of ``rows`` queries a sequence.
+    ``slot_rows`` (a packed step's long launch): the grid's axis 0 grows by one program per ``slot_rows`` of
+    the step's ``total_q * group`` stacked rows."""
 
     kernel: object
     grid: tuple[int, int, int]
@@ -100,6 +102,7 @@ class Plan(NamedTuple):
     options: tuple
     merge: tuple
     rows: int
+    slot_rows: int = 0
 
 
 def visible_blocks(pattern: Pattern, nq: int, block_n: int) -> int:
@@ -140,20 +143,24 @@ def decode(plans: tuple[Plan, ...], q, cache, cache_seqlens, added: int, sinks, 
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)          # (B, Hq, nq)
         stride_q, stride_out, stride_lse = tuple(q.stride()[:3]), tuple(out.stride()[:3]), tuple(lse.stride()[:2])
     B, k, v, table = cache_seqlens.shape[0], cache.k, cache.v, cache.block_table
+    group = Hq // (k.shape[2] if cache.paged else k.shape[1])
     common = {"Q": q, "K": k, "V": v, "BlockTable": table, "Seqlens": cache_seqlens, "CuSeqlensQ": cu_seqlens_q,
               "stride_q": stride_q, "stride_k": tuple(k.stride()[:3]), "stride_v": tuple(v.stride()[:3]),
               "stride_bt": table.stride(0) if cache.paged else 0, "added": added, **softcap_args(scale, softcap),
               **descale_args(descale)}
     for plan in plans:
+        grid = plan.grid
+        if plan.slot_rows:
+            grid = (grid[0] + q.shape[0] * group // plan.slot_rows, *grid[1:])
         if plan.splits == 1:  # the kernel writes the rows, the learned sink included
-            launch(plan.kernel, plan.grid, {**plan.args, **common, "Sinks": sinks, "Out": out, "Lse": lse,
+            launch(plan.kernel, grid, {**plan.args, **common, "Sinks": sinks, "Out": out, "Lse": lse,
                                             "stride_o": stride_out, "stride_lse": stride_lse}, plan.options)
             continue
         # each split its partial rows, merged by combine
         part = torch.empty((B, Hq, plan.splits, plan.rows, Dv), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((B, Hq, plan.splits, plan.rows), dtype=torch.float32, device=q.device)
         stride_p, stride_pl = tuple(part.stride()[:4]), tuple(part_lse.stride()[:3])
-        launch(plan.kernel, plan.grid, {**plan.args, **common, "Sinks": None, "Out": part, "Lse": part_lse,
+        launch(plan.kernel, grid, {**plan.args, **common, "Sinks": None, "Out": part, "Lse": part_lse,
                                         "stride_o": stride_p, "stride_lse": stride_pl}, plan.options)
         launch(combine, (plan.rows, Hq, B), {"Part": part, "PartLse": part_lse, "Sinks": sinks,
                                              "CuSeqlensQ": cu_seqlens_q, "Out": out, "Lse": lse, "stride_p": stride_p,

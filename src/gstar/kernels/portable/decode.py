@@ -1,18 +1,21 @@
-"""The portable decode kernel: a few queries against a long contiguous or paged cache, split over programs
-(split-KV), and its plan.
+"""The portable decode kernel: new queries against a long contiguous or paged cache, split over programs
+(split-KV), and its plans.
 
 ``_decode`` runs on a grid ``(splits, Hkv * row_tiles, B)``. A program stacks every query head of one GQA
-group and every query row in one tile (row ``r``: head ``hkv * group + r // Nq``, query ``r % Nq``), so each
-K/V block is read once for the group. It reads its sequence's length on the device, finds the visible blocks
+group and the queries of one tile, query-major (row ``r``: query ``r // group``, head ``hkv * group + r %
+group``), so each K/V block is read once for the group and a tile holds consecutive queries. It reads its
+sequence's length (and, packed, its query count) on the device, finds the blocks its queries see
 (:func:`kv_blocks`: the sink-token blocks, then the window's band), and walks its share of them by step: split
 ``s`` takes the ``s``-th of ``splits`` equal runs. A paged cache is read block by block through the block table
 (``BLOCK_N`` divides the block size, so a tile lies in one page). The softmax is every forward's
-(:func:`softmax_step`). From a contiguous cache it is masked on the blocks the rule cuts (the sink-token
-blocks, the band's ends, the last block of the sequence) and unmasked on the whole blocks between, whose loads
-carry no masks either; a paged cache's blocks all take the masked loop. An FP8 cache runs ``P V`` in float16
-(:func:`_widen_values`), and ``Q K^T`` in float16 too under 16-bit queries (bfloat16 ones scaled into its range,
-:func:`half_queries`). With one split a program finishes its rows, the learned sink included; with several each
-stores its partial result and :func:`gstar.kernels.common.split.combine` merges them.
+(:func:`softmax_step`). From a contiguous cache, and for a packed step's long sequences, it is masked on the
+blocks the rule cuts (the sink-token blocks, the band's ends, the last block of the sequence) and unmasked on
+the whole blocks between, whose loads carry no masks either; a paged decode's blocks all take the masked loop.
+An FP8 cache runs ``P V`` in float16 (:func:`_widen_values`), and ``Q K^T`` in float16 too under 16-bit queries
+(bfloat16 ones scaled into its range, :func:`half_queries`). With one split a program finishes its rows, the
+learned sink included; with several each stores its partial result and
+:func:`gstar.kernels.common.split.combine` merges them. A packed step (:func:`packed_plans`) is two launches of
+this kernel over the whole batch: the sequences of a few queries split, the longer ones take one program per tile.
 """
 
 from __future__ import annotations
@@ -104,12 +107,29 @@ def _fold_steps(acc, m_i, l_i, q, rows, i_lo, i_hi, cache, blocks, rule, scores,
     return acc, m_i, l_i
 
 
+@triton.jit
+def _slot(CuSeqlensQ, slot, group, batch, BLOCK_R: tl.constexpr):
+    """``(b, tile)`` of a long launch's program ``slot``: sequence ``b`` (of ``batch``) owns slots ``[first(b),
+    first(b + 1))``, ``first(b) = CuSeqlensQ[b] * group // BLOCK_R + b``, at least the tiles of ``BLOCK_R``
+    stacked rows its queries fill (slots past them walk nothing), so the grid follows total_q, not the longest
+    sequence; found by bisection on the device."""
+    lo = 0
+    hi = batch
+    while hi - lo > 1:  # first(lo) <= slot < first(hi)
+        mid = (lo + hi) // 2
+        inside = tl.load(CuSeqlensQ + mid).to(tl.int64) * group // BLOCK_R + mid <= slot
+        lo = tl.where(inside, mid, lo)
+        hi = tl.where(inside, hi, mid)
+    return lo.to(tl.int64), slot - (tl.load(CuSeqlensQ + lo).to(tl.int64) * group // BLOCK_R + lo)
+
+
 # lengths, bounds and row counts change between calls: specialising on them would recompile a decode loop
-@triton.jit(do_not_specialize=["nq", "group", "added", "short_q", "left", "right", "sink_tokens", "chunk",
+@triton.jit(do_not_specialize=["nq", "group", "added", "short_q", "batch", "left", "right", "sink_tokens", "chunk",
                                "page_size"])
 def _decode(Q, K, V, BlockTable, Seqlens, CuSeqlensQ, Sinks, Out, Lse, QDescale, KDescale, VDescale,
             stride_q, stride_k, stride_v, stride_bt, stride_o, stride_lse,
-            nq, group, added, short_q, left, right, sink_tokens, chunk, page_size, qk_scale, softcap, stride_ds,
+            nq, group, added, short_q, batch, left, right, sink_tokens, chunk, page_size, qk_scale, softcap,
+            stride_ds,
             HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
             TILE_QUERIES: tl.constexpr, SERVES: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
             MASK: tl.constexpr, PRECISION: tl.constexpr, PTX_WIDEN: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -134,7 +154,12 @@ def _decode(Q, K, V, BlockTable, Seqlens, CuSeqlensQ, Sinks, Out, Lse, QDescale,
     """
     D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
     DV_PAD: tl.constexpr = pad_head_dim(VALUE_DIM)
-    split, splits, hkv, tile, b, nk = decode_program(Seqlens, added, group, nq, BLOCK_R)
+    if SERVES == "long":  # grid (slots, Hkv): each slot one tile of one sequence
+        split, splits, hkv = 0, 1, tl.program_id(1)
+        b, tile = _slot(CuSeqlensQ, tl.program_id(0), group, batch, BLOCK_R)
+        nk = tl.load(Seqlens + b) + added
+    else:
+        split, splits, hkv, tile, b, nk = decode_program(Seqlens, added, group, nq, BLOCK_R)
     q_start, seq_q = sequence_bounds(CuSeqlensQ, b, nq, CuSeqlensQ is not None)
     if SERVES == "short":
         seq_q = tl.where(seq_q <= short_q, seq_q, 0)
@@ -176,9 +201,9 @@ def _decode(Q, K, V, BlockTable, Seqlens, CuSeqlensQ, Sinks, Out, Lse, QDescale,
     lo, hi = split * per, tl.minimum(split * per + per, count)  # this split's share
     cache = (K, V, BlockTable, b, hkv, stride_k, stride_v, stride_bt, page_size)
     scores = (qk_scale, softcap)
-    # a paged cache's kernel waits on its block-table lookups, and more loops cost it registers and pipeline
-    # fills: one masked loop
-    if PAGED:
+    # a paged cache's decode waits on its block-table lookups, and more loops cost it registers and pipeline
+    # fills: one masked loop; a long sequence's tiles are compute-bound, and skip the mask on whole blocks
+    if PAGED and SERVES != "long":
         acc, m_i, l_i = _fold_steps(acc, m_i, l_i, q, rows, lo, hi, cache, blocks, seq_rule, scores, HEAD_DIM,
                                     VALUE_DIM, BLOCK_N, PAGED, PRECISION, PTX_WIDEN, SOFTCAP, True)
     else:  # masked, whole and masked blocks, each loop entered only with blocks to walk
@@ -236,7 +261,8 @@ def _plan(B: int, Hkv: int, group: int, nq: int, D: int, Dv: int, block_r: int, 
           pattern: Pattern, device: torch.device, precision: str, num_splits: int | None, fp8: bool, softcap: bool,
           serves: str = "all", short_q: int = 0) -> Plan:
     """One launch of this kernel over ``B`` sequences of at most ``nq`` queries, ``block_r`` stacked rows a
-    program (``serves``, ``short_q``: the sequences it takes, as ``_decode`` reads them)."""
+    program (``serves``, ``short_q``: the sequences it takes, as ``_decode`` reads them; a long launch's grid
+    grows with total_q, :class:`Plan`'s ``slot_rows``)."""
     width = pad_head_dim(D) + pad_head_dim(Dv)
     block_n = block_keys(paged, block_size, width, fp8)
     row_tiles = cdiv(group * nq, block_r)
@@ -248,13 +274,14 @@ def _plan(B: int, Hkv: int, group: int, nq: int, D: int, Dv: int, block_r: int, 
     # where the compiler's 80 fit six, more block-table lookups in flight
     capped = major == 9 and paged and not fp8 and block_r <= 16 and width <= 128
     cap = {"maxnreg": PAGED_REGISTERS} if capped else {}
-    args = dict(nq=nq, group=group, short_q=short_q, **bounds(pattern), page_size=block_size if paged else 1)
-    return Plan(_decode, (splits, Hkv * row_tiles, B), splits, args, constexprs(
+    args = dict(nq=nq, group=group, short_q=short_q, batch=B, **bounds(pattern), page_size=block_size if paged else 1)
+    long = serves == "long"
+    return Plan(_decode, (B, Hkv, 1) if long else (splits, Hkv * row_tiles, B), splits, args, constexprs(
         HEAD_DIM=D, VALUE_DIM=Dv, BLOCK_R=block_r, BLOCK_N=block_n, TILE_QUERIES=cdiv(block_r, group) + 1,
         SERVES=serves, PAGED=paged, SPLIT=splits > 1, MASK=mask(pattern), PRECISION=precision,
         PTX_WIDEN=fp8 and card.nvidia(device), SOFTCAP=softcap, PDL=early_combine(device), num_warps=4,
         num_stages=stages, **cap),
-        merge_options(Dv, splits, device), nq)
+        merge_options(Dv, splits, device), nq, block_r if long else 0)
 
 
 @functools.lru_cache(maxsize=256)
