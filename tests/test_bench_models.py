@@ -142,7 +142,8 @@ PACKED_CHUNK = packed_case("t", (100, 156), heads=8, kv_heads=4, head_dim=64, ca
 EXPECTED = {"gstar": (None, None), "gstar-padded": (None, None), "gstar-prefill": (None, None),
             "gstar-nondet": (None, None), "eager": (None, None), "flex": (None, None),
             "sdpa-flash": (NO_SOFTCAP, NO_CHUNK), "sdpa-cudnn": (NO_SOFTCAP, NO_CHUNK),
-            "fa4": (None, NO_CHUNK + " (only as a CuTe DSL mask_mod)"), "fla": (NO_SOFTCAP, NO_CHUNK)}
+            "fa4": (None, NO_CHUNK + " (only as a CuTe DSL mask_mod)"), "fla": (NO_SOFTCAP, NO_CHUNK),
+            "flashinfer": (None, NO_CHUNK)}
 
 
 def test_every_peer_expresses_softcap_and_chunk_or_says_why_not(monkeypatch):

@@ -241,6 +241,42 @@ def test_dense_q_with_packed_offsets_is_named():
         gstar.flash_attention_with_kvcache(q[None], k_cache, v_cache, **kwargs)
 
 
+@pytest.mark.parametrize("q_fp8", [False, True], ids=["bf16-queries", "fp8-queries"])
+def test_fp8_cache(q_fp8, device):
+    """An FP8 contiguous cache (one descale per sequence and kv head), queries bfloat16 or FP8 (packed descales
+    per sequence): within 2x PyTorch's bfloat16 error on the dequantised inputs. On CPU the PyTorch path."""
+    from gstar.lab.accuracy import verdict
+
+    _, k_cache, v_cache, kwargs, (queries, _, _) = make_case(counts=(1, 0, 9, 2), block_size=None,
+                                                             pattern=dict(causal=True, window=(20, 0)),
+                                                             learned_sinks=True, append=False, dtype=torch.float32,
+                                                             heads=(4, 2), dim=32, value_dim=32)
+    k8, kd = gstar.quantize_fp8(k_cache)                                          # (B, Hkv, cap, D), (B, Hkv)
+    v8, vd = gstar.quantize_fp8(v_cache)
+    q = torch.cat([x[0].transpose(0, 1) for x in queries])                        # (total_q, Hq, D)
+    qd = None
+    if q_fp8:
+        q, qd = gstar.quantize_fp8(q, kv_heads=2, cu_seqlens=kwargs["cu_seqlens_q"])
+    else:
+        q = q.bfloat16()
+    to = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731 - the call's tensors
+    with torch.no_grad():
+        out = gstar.flash_attention_with_kvcache(to(q), to(k8), to(v8), q_descale=to(qd), k_descale=to(kd),
+                                                 v_descale=to(vd), **{k: to(x) for k, x in kwargs.items()})
+    assert out.dtype == torch.bfloat16
+    deq_k, deq_v = (t.double() * d.double()[:, :, None, None] for t, d in ((k8, kd), (v8, vd)))
+    cu, lengths = kwargs["cu_seqlens_q"].tolist(), kwargs["cache_seqlens"].tolist()
+    deq_q = q.double() if qd is None else torch.cat([
+        q[cu[b]:cu[b + 1]].double() * qd[b].double().repeat_interleave(2)[None, :, None] for b in range(len(lengths))])
+    sequences = ([deq_q[cu[b]:cu[b + 1]].transpose(0, 1)[None] for b in range(len(lengths))],
+                 [deq_k[b:b + 1, :, :n] for b, n in enumerate(lengths)],
+                 [deq_v[b:b + 1, :, :n] for b, n in enumerate(lengths)])
+    ref, _ = oracle(sequences, _pattern_of(kwargs), kwargs["sinks"])
+    pt, _ = oracle(sequences, _pattern_of(kwargs), kwargs["sinks"], dtype=torch.bfloat16)
+    check = verdict("out", out.cpu(), ref, pt)
+    assert check.ok, check
+
+
 GPU_MIXES = {"serving": ((1, 0, 1, 300, 4, 1, 77),), "decode": ((1,) * 9,)}
 
 

@@ -3,13 +3,15 @@
 A :class:`Case` is one attention problem: self-attention (``Nq == Nk``) over a batch of equal lengths or over
 packed documents of several lengths (the ``varlen`` suite, docs/design.md section 2), or a decode step (the
 ``decode`` suite): ``Nq`` new queries against a cache of keys, contiguous or paged, every sequence as long as
-the cache or each its own length. Its FLOPs count only the visible ``(i, j)`` pairs of its pattern (forward:
-``2 * B * Hq * (D + Dv) * pairs``, the products ``Q K^T`` and ``P V``; the backward's five products take
-``2 * (3 D + 2 Dv)`` per pair, 2.5x the forward when ``Dv = D``), so a windowed kernel is not credited for
-work it rightly skips. ``bytes_moved`` is the least HBM traffic any implementation needs (read the queries
-and every key and value some query sees once, write the outputs once): the memory floor of the roofline. A
-decode step's floor is its visible keys and values: the whole cache for a full-causal layer, the window's
-keys for a sliding one.
+the cache or each its own length; or a server's mixed step (the ``serving`` suite): prefill chunks and decodes
+side by side, each sequence its own count of queries, packed in flash-attn's varlen layout. Its FLOPs count
+only the visible ``(i, j)`` pairs of its pattern (forward: ``2 * B * Hq * (D + Dv) * pairs``, the products
+``Q K^T`` and ``P V``; the backward's five products take ``2 * (3 D + 2 Dv)`` per pair, 2.5x the forward when
+``Dv = D``), so a windowed kernel is not credited for work it rightly skips. ``bytes_moved`` is the least HBM
+traffic any implementation needs (read the queries and every key and value some query sees once, write the
+outputs once): the memory floor of the roofline. A decode step's floor is its visible keys and values: the
+whole cache for a full-causal layer, the window's keys for a sliding one; a mixed step's each sequence's
+visible keys (a chunk's window spans its queries and the window before them).
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ class Case:
     cache; with ``page_size`` the cache is paged, blocks of that many keys in pages of one pool
     (:meth:`block_table`, :meth:`to_pages`).
 
+    A mixed step (``query_lengths`` given, the ``serving`` suite; :func:`mixed_case`) is a decode case whose
+    sequence ``b`` has its own ``query_lengths[b]`` queries (0 allowed), the last positions of its
+    ``lengths[b]`` keys, packed as ``q (total_q, Hq, D)`` (rows :meth:`query_offsets` ``[b] .. [b + 1]``);
+    ``queries`` is the longest count (the kernel grid's ``max_seqlen_q``).
+
     ``chunk`` (Llama 4's chunked attention, 0: none) is part of the pattern, like the window: a query sees only
     keys of its own chunk of ``chunk`` positions. ``softcap`` (Gemma 2's logit soft-capping, 0.0: none) is not:
     it changes the scores (``softcap * tanh(s / softcap)``), not which keys are seen, so it leaves the FLOP count
@@ -72,6 +79,7 @@ class Case:
     page_size: int = 0
     softcap: float = 0.0
     chunk: int = 0
+    query_lengths: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.decode and self.lengths and (self.batch != len(self.lengths) or max(self.lengths) > self.seqlen):
@@ -80,11 +88,22 @@ class Case:
         if self.packed and (self.batch, self.seqlen) != (len(self.lengths), max(self.lengths)):
             raise ValueError(f"a packed case has batch = len(lengths) and seqlen = max(lengths), got batch "
                              f"{self.batch}, seqlen {self.seqlen} for lengths {self.lengths}")
+        if self.mixed and not self._counts_fit():
+            raise ValueError(f"a mixed step has a query count per cache length, each within its cache, queries = "
+                             f"the longest count (>= 1) and 16-bit or float32 inputs, got query_lengths "
+                             f"{self.query_lengths}, lengths {self.lengths}, queries {self.queries}, {self.dtype}")
         if self.page_size and not self.decode:
             raise ValueError("only a decode case (queries > 0) reads a paged cache")
         if self.fp8_cache and not self.decode:
             raise ValueError(f"dtype {FP8_CACHE!r} (an FP8 cache under bfloat16 queries) is for decode cases "
                              f"(queries > 0)")
+
+    def _counts_fit(self) -> bool:
+        """A mixed step's query counts: one per cache, each within its cache, the longest ``queries`` (>= 1);
+        16-bit or float32 inputs."""
+        counts = self.query_lengths
+        return (len(counts) == len(self.lengths) and 1 <= self.queries == max(counts) and not self.fp8
+                and all(nq <= n for nq, n in zip(counts, self.lengths)))
 
     @property
     def decode(self) -> bool:
@@ -94,6 +113,24 @@ class Case:
     @property
     def packed(self) -> bool:
         return bool(self.lengths) and not self.decode
+
+    @property
+    def mixed(self) -> bool:
+        """A mixed step: a query count per sequence, the queries packed ``(total_q, Hq, D)``."""
+        return bool(self.query_lengths)
+
+    @property
+    def query_counts(self) -> tuple[int, ...]:
+        """The queries of each sequence of a decode case: ``query_lengths``, or ``Nq`` each."""
+        return self.query_lengths or (self.queries,) * self.batch
+
+    def query_offsets(self) -> list[int]:
+        """``B + 1`` offsets of each sequence's rows in a mixed step's packed queries."""
+        return [0, *itertools.accumulate(self.query_lengths)]
+
+    def cu_seqlens_q(self, device) -> torch.Tensor:
+        """``(B + 1,)`` int32 :meth:`query_offsets` on ``device``: a mixed step's ``cu_seqlens_q``."""
+        return torch.tensor(self.query_offsets(), dtype=torch.int32, device=device)
 
     @property
     def paged(self) -> bool:
@@ -107,7 +144,9 @@ class Case:
     @property
     def tokens(self) -> int:
         """Query rows over the whole batch: the documents' total length for a packed case, ``B * Nq`` for a
-        decode case (self-attention has as many key rows)."""
+        decode case, the counts' sum for a mixed step (self-attention has as many key rows)."""
+        if self.mixed:
+            return sum(self.query_lengths)
         if self.decode:
             return self.batch * self.queries
         return sum(self.lengths) if self.packed else self.batch * self.seqlen
@@ -137,9 +176,11 @@ class Case:
         """A decode case's FP8 cache under bfloat16 queries (``dtype="fp8-cache"``)."""
         return self.dtype == FP8_CACHE
 
-    def pattern_of(self, n: int) -> Pattern:
-        """The case's pattern on ``n`` keys: as many queries (self-attention) or the decode step's ``Nq``."""
-        return Pattern.make(self.queries or n, n, causal=self.causal, window=self.window,
+    def pattern_of(self, n: int, nq: int | None = None) -> Pattern:
+        """The case's pattern on ``n`` keys: as many queries (self-attention), the decode step's ``Nq``, or
+        ``nq`` (a sequence of a mixed step)."""
+        nq = (self.queries or n) if nq is None else nq
+        return Pattern.make(nq, n, causal=self.causal, window=self.window,
                             sink_tokens=self.sink_tokens, chunk=self.chunk)
 
     @property
@@ -172,7 +213,8 @@ class Case:
         dims = f"D{self.head_dim}" if self.dv == self.head_dim else f"D{self.head_dim}/{self.dv}"
         words = f"{heads} {dims} {self.mask_label} {'fp8 cache' if self.fp8_cache else _SHORT_DTYPE[self.torch_dtype]}"
         if self.decode:
-            words = f"Nq{self.queries} " + words + (f" paged {self.page_size}" if self.paged else "")
+            counts = _counts(self.query_lengths) if self.mixed else self.queries
+            words = f"Nq{counts} " + words + (f" paged {self.page_size}" if self.paged else "")
         return words
 
     @property
@@ -184,7 +226,10 @@ class Case:
         return f"B{self.batch} N{self.seqlen} {self.series}"
 
     def _summed(self, count) -> int:
-        """``count(pattern)`` summed over the sequences of the batch (each with its own length, if any)."""
+        """``count(pattern)`` summed over the sequences of the batch (each with its own length and, in a mixed
+        step, its own queries, if any)."""
+        if self.mixed:  # a sequence without queries this step reads nothing
+            return sum(count(self.pattern_of(n, nq)) for n, nq in zip(self.lengths, self.query_lengths) if nq)
         if self.lengths:
             return sum(count(self.pattern_of(n)) for n in self.lengths)
         return self.batch * count(self.pattern)
@@ -243,17 +288,24 @@ class Case:
         d = dataclasses.asdict(self)
         d["window"] = list(self.window)
         d["lengths"] = list(self.lengths)
+        d["query_lengths"] = list(self.query_lengths)
         d["label"] = self.label
         return d
 
     @staticmethod
     def from_dict(d: dict) -> Case:
         """The case whose :meth:`as_dict` (a saved row's ``"case"``) this is; fields a file from before them
-        lacks (``softcap``, ``chunk`` ...) take their defaults."""
+        lacks (``softcap``, ``chunk``, ``query_lengths`` ...) take their defaults."""
         names = {f.name for f in dataclasses.fields(Case)}
         kw = {k: v for k, v in d.items() if k in names}
-        kw.update({k: tuple(kw[k]) for k in ("window", "lengths") if k in kw})
+        kw.update({k: tuple(kw[k]) for k in ("window", "lengths", "query_lengths") if k in kw})
         return Case(**kw)
+
+
+def _counts(counts: tuple[int, ...]) -> str:
+    """Query counts in words, runs of one count joined: ``(2048, 2048, 1, 1, 1)`` -> ``2x2048+3x1``."""
+    runs = [(n, len(list(group))) for n, group in itertools.groupby(counts)]
+    return "+".join(f"{times}x{n}" for n, times in runs)
 
 
 _GPT_OSS = dict(heads=64, kv_heads=8, head_dim=64, sinks=True, dtype="bfloat16")
@@ -278,10 +330,18 @@ def document_lengths(total: int, docs: int, seed: int = 0) -> tuple[int, ...]:
     return tuple(b - a for a, b in zip([0] + cuts, cuts + [total]))
 
 
-def cache_lengths(batch: int, most: int, seed: int = 0) -> tuple[int, ...]:
-    """``batch`` cache lengths drawn uniformly from ``1 .. most`` (seeded)."""
+def cache_lengths(batch: int, most: int, seed: int = 0, least: int = 1) -> tuple[int, ...]:
+    """``batch`` cache lengths drawn uniformly from ``least .. most`` (seeded)."""
     rng = random.Random(seed)
-    return tuple(rng.randint(1, most) for _ in range(batch))
+    return tuple(rng.randint(least, most) for _ in range(batch))
+
+
+def mixed_case(family: str, lengths, query_lengths, **kw) -> Case:
+    """A mixed step: sequence ``b`` holds ``lengths[b]`` keys, the last ``query_lengths[b]`` of them its
+    queries; the cache as long as the longest sequence."""
+    lengths, query_lengths = tuple(lengths), tuple(query_lengths)
+    return Case(family, len(lengths), seqlen=max(lengths), lengths=lengths, query_lengths=query_lengths,
+                queries=max(query_lengths), **kw)
 
 
 # batch x cache length of the decode table (docs/design.md section 5): one long sequence, one short, a batch
@@ -308,6 +368,33 @@ def _decode_suite() -> list[Case]:
     table = [c for b, n in DECODE_SHAPES for c in _gpt_oss("decode", b, n, queries=1)]
     step = _serving_step("decode")
     return table + step + [dataclasses.replace(c, page_size=DECODE_PAGE) for c in table + step]
+
+
+# One step of a GPT-OSS-20B server with chunked prefill: SERVING_CHUNKS prompts each bring a chunk of
+# SERVING_CHUNK new tokens and SERVING_DECODES sequences one token each, 64 sequences as in the decode suite's step.
+# A chunk is the last SERVING_CHUNK positions of its cache (its prompt's earlier chunks already there): chunk caches
+# hold SERVING_CHUNK .. SERVING_MOST keys (cache_lengths, seed 1), decode caches SERVING_LEAST .. SERVING_MOST
+# (seed 2). Speculative decoding verifies SERVING_DRAFTS queries a sequence (the last token and three drafts).
+SERVING_CHUNKS, SERVING_CHUNK, SERVING_DECODES, SERVING_DRAFTS = 4, 2048, 60, 4
+SERVING_LEAST, SERVING_MOST = 1024, 32768
+
+
+def serving_lengths() -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The cache lengths of the serving step's chunks and of its decodes (fixed: seeded draws)."""
+    return (cache_lengths(SERVING_CHUNKS, SERVING_MOST, seed=1, least=SERVING_CHUNK),
+            cache_lengths(SERVING_DECODES, SERVING_MOST, seed=2, least=SERVING_LEAST))
+
+
+def _serving_suite() -> list[Case]:
+    """Each GPT-OSS layer pattern over pages of DECODE_PAGE keys: the mixed step (chunks first, then decodes),
+    its chunks alone, its decodes alone, and a speculative step of SERVING_DRAFTS queries on each of its caches."""
+    chunks, decodes = serving_lengths()
+    steps = ((chunks + decodes, (SERVING_CHUNK,) * SERVING_CHUNKS + (1,) * SERVING_DECODES),
+             (chunks, (SERVING_CHUNK,) * SERVING_CHUNKS),
+             (decodes, (1,) * SERVING_DECODES),
+             (chunks + decodes, (SERVING_DRAFTS,) * (SERVING_CHUNKS + SERVING_DECODES)))
+    return [mixed_case("serving", lengths, counts, causal=True, window=w, page_size=DECODE_PAGE, **_GPT_OSS)
+            for w in ((-1, -1), (127, 0)) for lengths, counts in steps]
 
 
 # Gemma 2 9B (transformers' Gemma2Config): 16 query heads, 8 kv heads, head dim 256 (its query_pre_attn_scalar,
@@ -366,14 +453,16 @@ SUITES = {
     "decode": _decode_suite,
     # FP8 inputs (forward only) beside bfloat16
     "fp8": _fp8_suite,
+    # a GPT-OSS-20B server's mixed step (prefill chunks and decodes) over paged caches, and its parts
+    "serving": _serving_suite,
 }
 SUITE_NAMES = tuple(SUITES) + ("all",)
-FORWARD_ONLY = ("decode", "fp8")  # suites with no backward (decode steps and FP8 inputs are forward only)
+FORWARD_ONLY = ("decode", "fp8", "serving")  # suites with no backward (decode steps, FP8 inputs)
 
 
 def suite(name: str) -> list[Case]:
     """The cases of a suite of docs/design.md section 5 (``all``: every suite that times every mode, in
-    order; ``decode`` and ``fp8``, forward only, run on their own)."""
+    order; ``decode``, ``fp8`` and ``serving``, forward only, run on their own)."""
     if name == "all":
         return [c for key, build in SUITES.items() if key not in FORWARD_ONLY for c in build()]
     if name not in SUITES:
@@ -393,7 +482,8 @@ def labelled(text: str, name: str = "all") -> Case:
 
 def for_cpu(case: Case) -> Case:
     """A GPU suite case shrunk for a CPU: batch 1 (a packed case keeps its documents, a decode case of unequal
-    lengths its first 8 sequences, each 1/16 as long), heads / 8, length / 16, window / 8, chunk / 16 (as the
+    lengths its first 8 sequences, each 1/16 as long; a mixed step's counts over 16 queries 1/16 as many, each
+    cache at least as long as its queries), heads / 8, length / 16, window / 8, chunk / 16 (as the
     length: as many chunks a sequence), float32 (FP8 cases stay FP8: the PyTorch path on their dequantised
     inputs); the soft-cap is kept.
 
@@ -404,7 +494,12 @@ def for_cpu(case: Case) -> Case:
     kv_heads = max(1, heads // max(1, case.heads // case.kv_heads))
     left, right = case.window
     shrink = lambda w: w if w < 0 else max(0, (w + 1) // 8 - 1)  # noqa: E731 - keeps W keys -> W/8 keys
-    if case.lengths:
+    if case.mixed:
+        counts = tuple(nq if nq <= 16 else nq // 16 for nq in case.query_lengths[:8])
+        lengths = tuple(max(nq, n // 16, 1) for nq, n in zip(counts, case.lengths))
+        rows = {"batch": len(lengths), "seqlen": max(64, case.seqlen // 16, *lengths), "lengths": lengths,
+                "query_lengths": counts, "queries": max(counts)}
+    elif case.lengths:
         lengths = tuple(max(1, n // 16) for n in (case.lengths[:8] if case.decode else case.lengths))
         rows = dict(batch=len(lengths), seqlen=max(lengths) if case.packed else max(64, case.seqlen // 16),
                     lengths=lengths)

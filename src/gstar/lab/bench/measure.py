@@ -42,18 +42,20 @@ def make_inputs(case: Case, device, *, seed: int = 0) -> dict:
     None; dout: (B, Hq, N, Dv), the upstream gradient of the backward modes. A packed case's tensors are
     (total, H, D or Dv) instead. A decode case's q and dout hold its Nq queries, k and v its cache (random
     past each sequence's length too, so that reading there shows); a paged one adds ``k_pages`` and
-    ``v_pages``, the same cache as its pool (``Case.to_pages``).
+    ``v_pages``, the same cache as its pool (``Case.to_pages``). A mixed step's q and dout are packed,
+    ``(total_q, Hq, D)``, its cache as a decode case's.
     """
     g = torch.Generator(device=device).manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=g, device=device, dtype=torch.float32)  # noqa: E731
 
-    def tokens(heads, width, rows):  # (B, H, rows, width), or (total, H, width) packed
-        shape = (case.tokens, heads) if case.packed else (case.batch, heads, rows)
+    def tokens(heads, width, rows, packed=case.packed):  # (B, H, rows, width), or (total, H, width) packed
+        shape = (case.tokens, heads) if packed else (case.batch, heads, rows)
         return rand(*shape, width).to(torch.float32 if case.fp8 else case.torch_dtype)  # FP8: quantised below
-    nq = case.queries or case.seqlen
-    inputs = {"q": tokens(case.heads, case.head_dim, nq), "k": tokens(case.kv_heads, case.head_dim, case.seqlen),
+    nq, packed_q = case.queries or case.seqlen, case.packed or case.mixed
+    inputs = {"q": tokens(case.heads, case.head_dim, nq, packed_q),
+              "k": tokens(case.kv_heads, case.head_dim, case.seqlen),
               "v": tokens(case.kv_heads, case.dv, case.seqlen), "sinks": rand(case.heads) if case.sinks else None,
-              "dout": tokens(case.heads, case.dv, nq)}
+              "dout": tokens(case.heads, case.dv, nq, packed_q)}
     if case.fp8:  # each head at its own magnitude, quantised per head (queries per GQA group)
         for name, heads in (("q", case.heads), ("k", case.kv_heads), ("v", case.kv_heads)):
             x = inputs[name].float() * (rand(heads).abs() + 0.5).view(1, heads, 1, 1)
@@ -191,16 +193,24 @@ def _per_document(case: Case, inputs: dict, dtype: torch.dtype, grads: bool) -> 
 
 def _per_cache(case: Case, inputs: dict, dtype: torch.dtype, grads: bool) -> dict:
     """:func:`naive_reference` of a decode case whose sequences hold caches of different lengths: each
-    sequence against its own keys (forward only)."""
+    sequence against its own keys (forward only); a mixed step's sequences each with its own queries, the
+    output packed as its queries are."""
     if grads:
         raise ValueError("a decode step is forward only")
-    outs = []
-    for b, n in enumerate(case.lengths):
-        one = dataclasses.replace(case, batch=1, seqlen=n, lengths=())
-        piece = {name: inputs[name][b:b + 1] for name in ("q", "dout")}
+    outs, starts = [], case.query_offsets()
+    for b, (n, nq) in enumerate(zip(case.lengths, case.query_counts)):
+        if nq == 0:  # a sequence of a mixed step with no query this step
+            continue
+        one = dataclasses.replace(case, batch=1, seqlen=n, lengths=(), query_lengths=(), queries=nq)
+        if case.mixed:  # rows starts[b] .. starts[b + 1] of the packed queries as a batch of one
+            piece = {name: inputs[name][starts[b]:starts[b + 1]].transpose(0, 1)[None]
+                     for name in ("q", "dout")}                                      # (1, Hq, nq, D)
+        else:
+            piece = {name: inputs[name][b:b + 1] for name in ("q", "dout")}
         piece.update({name: inputs[name][b:b + 1, :, :n] for name in ("k", "v")})   # (1, Hkv, n, D)
-        outs.append(_dense(one, dict(piece, sinks=inputs["sinks"]), dtype, False)["out"])
-    return {"out": torch.cat(outs)}                                                  # (B, Hq, Nq, Dv)
+        out = _dense(one, dict(piece, sinks=inputs["sinks"]), dtype, False)["out"]  # (1, Hq, nq, Dv)
+        outs.append(out[0].transpose(0, 1) if case.mixed else out)                  # (nq, Hq, Dv) packed
+    return {"out": torch.cat(outs)}                              # (B, Hq, Nq, Dv), or (total_q, Hq, Dv)
 
 
 def oracle_dtype(device: torch.device) -> torch.dtype:

@@ -20,6 +20,13 @@ A decode case (the ``decode`` suite) gives ``q: (B, Hq, Nq, D)`` and its cache a
 and the block table from the case in :meth:`Peer.build`, on the device, outside the timed call. gstar runs
 ``flash_attention_with_kvcache``; ``gstar-prefill`` runs ``flash_attention`` on the same queries and dense
 cache (the training kernel: one program per sequence and kv head).
+
+A mixed step (the ``serving`` suite) gives its packed queries ``q: (total_q, Hq, D)`` (rows of sequence ``b`` at
+``Case.query_offsets``, flash-attn's varlen layout, the same for every peer) and takes ``out: (total_q, Hq, Dv)``
+back; its cache arrives as a decode case's. gstar runs ``flash_attention_with_kvcache`` with ``cu_seqlens_q``,
+FA4 ``flash_attn_varlen_func`` with ``cu_seqlens_q`` and ``page_table``, FlashInfer (when importable) its
+paged prefill wrapper, eager each sequence on its own gathered cache; peers with one query count for the whole
+batch say so.
 """
 
 from __future__ import annotations
@@ -27,11 +34,13 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import itertools
 import math
 import os
 
 import torch
 
+from ...pattern import cdiv
 from .cases import Case
 
 
@@ -53,6 +62,7 @@ def _window_or_causal_only(case: Case) -> str | None:
 
 NO_SOFTCAP = "no logit soft-capping"
 NO_CHUNK = "no chunked attention"
+NO_PACKED_QUERIES = "no packed queries (one query count for the whole batch)"
 
 
 def _softcap_or_chunk(case: Case, *, softcap: bool, chunk: bool) -> str | None:
@@ -82,6 +92,7 @@ class Peer:
     module = "torch"  # top-level module whose distribution version the reports record
     cuda_only = False
     fp8 = False  # takes FP8 inputs with descales (``fn(q, k, v, sinks, q_descale=, k_descale=, v_descale=)``)
+    guarded = False  # a failure to build or run is an n/a row (its first line), not an error
 
     def _fn(self):
         """Import what the implementation needs (and return its entry point, where it has one)."""
@@ -138,6 +149,8 @@ class Gstar(Peer):
         if case.decode and self.kvcache:
             lengths = case.cache_seqlens(device)
             table = case.block_table(device) if case.paged else None
+            if case.mixed:  # packed queries, the grid sized by the longest count
+                kw.update(cu_seqlens_q=case.cu_seqlens_q(device), max_seqlen_q=case.queries)
             return lambda q, k, v, sinks, **fp8: flash_attention_with_kvcache(
                 q, k, v, cache_seqlens=lengths, block_table=table, sinks=sinks, check_values=False, **kw, **fp8)
         if case.packed and self.layout != "padded":
@@ -201,12 +214,15 @@ class Eager(Peer):
 
     The soft-cap runs in float32, rounded once to the scores' dtype: Gemma 2's eager code divides, takes tanh
     and multiplies in bfloat16, three roundings more than the bar's PyTorch baseline, which fails the bar at
-    small caps (bf16 on an H100 at cap 5: out error 0.0249, 0.0226 allowed; at cap 50 it passes)."""
+    small caps (bf16 on an H100 at cap 5: out error 0.0249, 0.0226 allowed; at cap 50 it passes).
+
+    A mixed step runs sequence by sequence, each against its own cache (gathered from its pages when paged):
+    the Hugging Face layer of each request on its own dense cache."""
 
     name = "eager"
 
     def unsupported(self, case, device, mode):
-        if case.paged:
+        if case.paged and not case.mixed:
             return "no paged cache"
         return self._oom_risk(case, device, mode, 1)
 
@@ -220,36 +236,67 @@ class Eager(Peer):
         # scores, masked, + sink column, - max, softmax; the backward keeps about as many again. K and V repeated
         # for every query head (and their gradients): what a decode step's few rows need most of
         buffers, copies = (5, 1) if mode == "fwd" else (10, 2)
-        scores = buffers * case.batch * case.heads * case.pattern.nq * (case.seqlen + 1)
-        repeated = copies * case.batch * case.heads * case.seqlen * (case.head_dim + case.dv)
+        if case.mixed:  # one sequence at a time: the largest one's buffers
+            rows_keys = max(nq * (n + 1) for n, nq in zip(case.lengths, case.query_lengths))
+            keys = max(case.lengths)
+        else:
+            rows_keys, keys = case.batch * case.pattern.nq * (case.seqlen + 1), case.batch * case.seqlen
+        scores = buffers * case.heads * rows_keys
+        repeated = copies * case.heads * keys * (case.head_dim + case.dv)
         need = factor * (scores + repeated) * case.torch_dtype.itemsize
         if need > 0.6 * _free_bytes(device):
             return f"OOM-risk: ~{need / 2**30:.0f} GiB" + (" in a CUDA graph" if factor > 1 else "")
         return None
 
     def build(self, case, device):
+        if case.mixed:
+            return self._build_mixed(case, device)
         # a decode batch of unequal lengths: each sequence's rule on its own length, nothing past it
         lengths = case.cache_seqlens(device).view(-1, 1, 1, 1) if case.decode and case.lengths else None
         visible = case.pattern.mask(device, nk=lengths)                  # (Nq, Nk), or (B, 1, Nq, Nk)
-        group = case.heads // case.kv_heads
-        scale = case.head_dim ** -0.5
+        return lambda q, k, v, sinks: _eager_attention(case, q, k, v, sinks, visible)
+
+    @staticmethod
+    def _build_mixed(case: Case, device):
+        """Each sequence of a mixed step with queries, against its own keys: a view of a contiguous cache, or
+        its pages gathered (their indices on the device, so a CUDA graph replays the gathers)."""
+        starts = case.query_offsets()
+        table = case.block_table(device).long() if case.paged else None  # (B, blocks)
+        seqs = [(b, n, starts[b], starts[b + 1], case.pattern_of(n, nq).mask(device))
+                for b, (n, nq) in enumerate(zip(case.lengths, case.query_lengths)) if nq]
+        pages = {b: table[b, :cdiv(n, case.page_size)] for b, n, *_ in seqs} if case.paged else {}
+
+        def keys(cache, b, n):  # sequence b's first n keys, (1, Hkv, n, D)
+            if not case.paged:
+                return cache[b:b + 1, :, :n]
+            return cache[pages[b]].flatten(0, 1)[:n].transpose(0, 1)[None]  # pool (pages, page, Hkv, D)
 
         def eager(q, k, v, sinks):
-            B, H, Nq, _ = q.shape
-            Nk = k.shape[2]
-            k = k.repeat_interleave(group, dim=1)                        # (B, H, Nk, D)
-            v = v.repeat_interleave(group, dim=1)
-            scores = (q @ k.transpose(-1, -2)) * scale                   # (B, H, Nq, Nk)
-            if case.softcap:
-                scores = (torch.tanh(scores.float() / case.softcap) * case.softcap).to(scores.dtype)
-            scores = scores.masked_fill(~visible, -math.inf)
-            if sinks is not None:
-                sink_col = sinks.to(scores.dtype).view(1, H, 1, 1).expand(B, H, Nq, 1)
-                scores = torch.cat([scores, sink_col], dim=-1)           # (B, H, Nq, Nk + 1)
-            scores = scores - scores.amax(dim=-1, keepdim=True)          # as HF does, before its softmax
-            probs = torch.softmax(scores, dim=-1, dtype=scores.dtype)
-            return probs[..., :Nk] @ v                                   # (B, H, Nq, Dv)
+            outs = [_eager_attention(case, q[r0:r1].transpose(0, 1)[None], keys(k, b, n), keys(v, b, n), sinks,
+                                     visible)[0].transpose(0, 1) for b, n, r0, r1, visible in seqs]  # (nq, Hq, Dv)
+            return torch.cat(outs)                                       # (total_q, Hq, Dv)
         return eager
+
+
+def _eager_attention(case: Case, q, k, v, sinks, visible):
+    """Hugging Face GPT-OSS eager attention (:class:`Eager`) of ``q (B, Hq, Nq, D)`` against ``k (B, Hkv, Nk, D)``,
+    ``v (B, Hkv, Nk, Dv)``, the keys each query sees in ``visible`` (broadcast to ``(B, 1, Nq, Nk)``), the case's
+    soft-cap; ``(B, Hq, Nq, Dv)``."""
+    B, H, Nq, _ = q.shape
+    Nk = k.shape[2]
+    group = H // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)                                # (B, H, Nk, D)
+    v = v.repeat_interleave(group, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * case.head_dim ** -0.5          # (B, H, Nq, Nk)
+    if case.softcap:
+        scores = (torch.tanh(scores.float() / case.softcap) * case.softcap).to(scores.dtype)
+    scores = scores.masked_fill(~visible, -math.inf)
+    if sinks is not None:
+        sink_col = sinks.to(scores.dtype).view(1, H, 1, 1).expand(B, H, Nq, 1)
+        scores = torch.cat([scores, sink_col], dim=-1)                   # (B, H, Nq, Nk + 1)
+    scores = scores - scores.amax(dim=-1, keepdim=True)                  # as HF does, before its softmax
+    probs = torch.softmax(scores, dim=-1, dtype=scores.dtype)
+    return probs[..., :Nk] @ v                                           # (B, H, Nq, Dv)
 
 
 class Sdpa(Peer):
@@ -370,7 +417,9 @@ class Flex(Peer):
 
     def unsupported(self, case, device, mode):
         # paged caches only through torch's experimental PagedAttention, outside the public flex_attention
-        return "no paged cache" if case.paged else None
+        if case.paged:
+            return "no paged cache"
+        return NO_PACKED_QUERIES if case.mixed else None
 
     def build(self, case, device):
         block_mask = flex_block_mask(case, device)
@@ -382,9 +431,10 @@ class Flex(Peer):
 class FA4(Peer):
     """FlashAttention-4 (``flash_attn.cute.flash_attn_func``), ``(B, N, H, D)`` layout, when importable; a decode
     case through its decode entry, ``flash_attn_varlen_func`` with the lengths on the device (``seqused_k``)
-    and, paged, ``page_table`` over the pools (its paged layout is gstar's). A soft-cap through its ``softcap``
-    argument; no chunked attention: FA4 would need a CuTe DSL ``mask_mod`` (and block-sparse tensors to skip
-    the hidden tiles), which this adapter does not build."""
+    and, paged, ``page_table`` over the pools (its paged layout is gstar's); a mixed step's packed queries
+    through its ``cu_seqlens_q`` and ``max_seqlen_q``, each sequence's queries its last positions as in gstar.
+    A soft-cap through its ``softcap`` argument; no chunked attention: FA4 would need a CuTe DSL ``mask_mod``
+    (and block-sparse tensors to skip the hidden tiles), which this adapter does not build."""
 
     name = "fa4"
     layout = "bnhd"
@@ -416,6 +466,8 @@ class FA4(Peer):
             return "fp16/bf16 only"
         if case.decode and "seqused_k" not in params:
             return "no per-sequence key lengths"
+        if case.mixed and "cu_seqlens_q" not in params:
+            return NO_PACKED_QUERIES
         if case.paged and "page_table" not in params:
             return "no paged cache"
         return None
@@ -434,14 +486,16 @@ class FA4(Peer):
                 kw["page_table"] = case.block_table(device)
             # split-KV on Blackwell (num_splits < 1: FA4's own choice); SM 8.x and 9.x assert a single split
             kw["num_splits"] = 0 if torch.cuda.get_device_capability(device)[0] in (10, 11) else 1
+        if case.mixed:
+            kw.update(cu_seqlens_q=case.cu_seqlens_q(device), max_seqlen_q=case.queries)
 
         def fn(q, k, v, sinks):
             extra = {} if sinks is None else {"learnable_sink": sinks}
             if not case.paged:  # a paged cache's pools arrive as they are: (pages, page_size, Hkv, D)
                 k, v = k.transpose(1, 2), v.transpose(1, 2)
-            res = fa(q.transpose(1, 2), k, v, **kw, **extra)
-            out = res[0] if isinstance(res, tuple) else res              # (B, N, H, D)
-            return out.transpose(1, 2)
+            res = fa(q if case.mixed else q.transpose(1, 2), k, v, **kw, **extra)
+            out = res[0] if isinstance(res, tuple) else res              # (B, N, H, D), or (total_q, H, D)
+            return out if case.mixed else out.transpose(1, 2)
         return fn
 
 
@@ -467,6 +521,8 @@ class Fla(Peer):
     def unsupported(self, case, device, mode):
         if rule := _softcap_or_chunk(case, softcap=False, chunk=False):
             return rule
+        if case.mixed:
+            return NO_PACKED_QUERIES
         if case.decode:
             return self._decode_unsupported(case)
         params = inspect.signature(self._fn()).parameters
@@ -537,10 +593,97 @@ class Fla(Peer):
         return fn
 
 
+FLASHINFER_NA = ("flashinfer-python 0.7.4 is a 101 MB wheel that JIT-compiles its kernels with nvcc on first use; it "
+                 "is not carried to the GPU machine")
+
+
+class FlashInfer(Peer):
+    """FlashInfer's paged-cache wrappers on a decode case or a mixed step: ``BatchDecodeWithPagedKVCacheWrapper``
+    for one query a sequence, ``BatchPrefillWithPagedKVCacheWrapper`` (causal: each sequence's queries its last
+    positions) for more or a query count per sequence. :meth:`build` plans them on the case's pages in
+    FlashInfer's CSR form (per sequence its pages' indices and the last page's fill, ``"NHD"``: gstar's pool
+    layout; a contiguous cache ``(B, N, Hkv, D)`` is a pool of one page of ``N`` keys a sequence); the timed call
+    runs them. Guarded: FlashInfer JIT-compiles its kernels on first use, and any
+    failure is an n/a row with its first line."""
+
+    name = "flashinfer"
+    layout = "bnhd"
+    module = "flashinfer"
+    cuda_only = True
+    guarded = True
+    workspace_bytes = 128 << 20  # FlashInfer's float workspace (its examples' 128 MB)
+
+    def _fn(self):
+        return importlib.import_module("flashinfer")
+
+    def applies(self, case):
+        return case.decode
+
+    def unavailable(self, device):
+        try:
+            self._fn()
+        except (ImportError, RuntimeError, OSError):  # not installed, or its setup failing at import
+            return FLASHINFER_NA
+        return super().unavailable(device)
+
+    @staticmethod
+    def _one_query(case: Case) -> bool:
+        return not case.mixed and case.queries == 1
+
+    def _wrapper(self, case: Case):
+        fi = self._fn()
+        one = self._one_query(case)
+        return fi.BatchDecodeWithPagedKVCacheWrapper if one else fi.BatchPrefillWithPagedKVCacheWrapper
+
+    def unsupported(self, case, device, mode):
+        p = case.pattern
+        if rule := _softcap_or_chunk(case, softcap=True, chunk=False):
+            return rule
+        if p.right != 0 and not self._one_query(case):
+            return "causal patterns only"
+        if p.sink_tokens:
+            return "no sink tokens"
+        if case.torch_dtype == torch.float32:
+            return "fp16/bf16 only"
+        if case.sinks and "sinks" not in inspect.signature(self._wrapper(case).run).parameters:
+            return "no learned sinks"
+        return None
+
+    def build(self, case, device):
+        Hq, D = case.heads, case.head_dim
+        lengths = case.cache_seqlens("cpu").tolist()
+        page = case.page_size or case.seqlen  # a contiguous cache: one page of the whole cache a sequence
+        counts = [cdiv(n, page) for n in lengths]                                       # pages of each sequence
+        table = (case.block_table("cpu") if case.paged
+                 else torch.arange(case.batch, dtype=torch.int32)[:, None])             # (B, blocks)
+        indices = torch.cat([table[b, :m] for b, m in enumerate(counts)]).to(device)    # (pages read,)
+        indptr = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32, device=device)
+        last = torch.tensor([n - (m - 1) * page for n, m in zip(lengths, counts)], dtype=torch.int32,
+                            device=device)                                              # (B,) keys of the last page
+        kw = {"window_left": case.pattern.left, "logits_soft_cap": case.softcap or None, "sm_scale": D ** -0.5,
+              "q_data_type": case.torch_dtype, "kv_data_type": case.torch_dtype}
+        wrapper = self._wrapper(case)(torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device), "NHD")
+        pages = (indptr, indices, last, Hq, case.kv_heads, D, page)
+        if self._one_query(case):
+            wrapper.plan(*pages, **kw)
+        else:
+            qo = case.cu_seqlens_q(device) if case.mixed else torch.arange(
+                0, case.tokens + 1, case.queries, dtype=torch.int32, device=device)    # (B + 1,)
+            wrapper.plan(qo, *pages, causal=True, **kw)
+
+        def fn(q, k, v, sinks):
+            if not case.paged:  # views of (B, N, Hkv, D) memory: a pool of B pages of N keys
+                k, v = k.transpose(1, 2), v.transpose(1, 2)
+            rows = q if case.mixed else q.transpose(1, 2).reshape(-1, Hq, D)          # (total_q, Hq, D)
+            out = wrapper.run(rows, (k, v), **({} if sinks is None else {"sinks": sinks}))
+            return out if case.mixed else out.view(case.batch, case.queries, Hq, -1).transpose(1, 2)
+        return fn
+
+
 def all_peers() -> list[Peer]:
     """Every implementation, gstar first (the ratio column divides by its time)."""
     return [Gstar(), GstarPadded(), GstarPrefill(), GstarNondeterministic(), Eager(), Sdpa("flash"), Sdpa("cudnn"),
-            Flex(), FA4(), Fla()]
+            Flex(), FA4(), Fla(), FlashInfer()]
 
 
 PEER_NAMES = tuple(p.name for p in all_peers())

@@ -80,7 +80,7 @@ def write_json(path: str, payload: dict) -> None:
 
 CSV_CASE_FIELDS = ("family", "batch", "heads", "kv_heads", "seqlen", "head_dim", "value_dim", "causal", "window_left",
                    "window_right", "sink_tokens", "sinks", "dtype", "lengths", "queries", "page_size", "softcap",
-                   "chunk")
+                   "chunk", "query_lengths")
 CSV_ROW_FIELDS = ("impl", "status", "reason", "time_ms", "tflops", "peak_mib", "vs_gstar", "max_error",
                   "memory_floor_ms", "compute_floor_ms", "bound", "floor_pct")
 CSV_ENV_FIELDS = ("card", "driver", "cuda", "torch", "triton", "timing", "date", "command")
@@ -95,7 +95,7 @@ def write_csv(path: str, rows: list[dict], env: dict, mode: str) -> None:
             c = dict(r["case"], window_left=r["case"]["window"][0], window_right=r["case"]["window"][1])
             errors = [ch["error"] for ch in r["checks"]]
             row = dict(r, max_error=max(errors) if errors else None)
-            w.writerow([c[k] for k in CSV_CASE_FIELDS] + [mode] + [row.get(k) for k in CSV_ROW_FIELDS]
+            w.writerow([c.get(k) for k in CSV_CASE_FIELDS] + [mode] + [row.get(k) for k in CSV_ROW_FIELDS]
                        + [env.get(k) for k in CSV_ENV_FIELDS])
 
 
@@ -125,14 +125,14 @@ def _plot_series(row: dict) -> str:
 
 def plot(path: str, rows: list[dict], env: dict, mode: str, metric: str = "tflops") -> None:
     """TFLOP/s (or time) against sequence length, one subplot per case series, one line per implementation
-    in the same colour in every subplot; decode steps (whose cases differ in batch as well as length) as time
-    per case beside its memory floor."""
+    in the same colour in every subplot; decode and serving steps (whose cases differ in batch as well as
+    length) as time per case beside its floor."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if rows and all(r["case"].get("family") == "decode" for r in rows):
-        return _plot_decode(plt, path, rows, env)
+    if rows and all(r["case"].get("family") in ("decode", "serving") for r in rows):
+        return _plot_decode(plt, path, rows, env, rows[0]["case"]["family"])
     key = "tflops" if metric == "tflops" else "time_ms"
     series = list(dict.fromkeys(_plot_series(r) for r in rows))
     impls = list(dict.fromkeys(r["impl"] for r in rows))
@@ -162,8 +162,9 @@ def plot(path: str, rows: list[dict], env: dict, mode: str, metric: str = "tflop
     _save(plt, fig, path, env, mode)
 
 
-def _plot_decode(plt, path: str, rows: list[dict], env: dict) -> None:
-    """One group of bars per case (time, log scale), one bar per implementation, the memory floor a line."""
+def _plot_decode(plt, path: str, rows: list[dict], env: dict, what: str = "decode") -> None:
+    """One group of bars per case (time, log scale), one bar per implementation, the case's floor a line: the
+    larger of memory and compute where the run knew both, else the memory floor."""
     cases = list(dict.fromkeys(r["case"]["label"] for r in rows))
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     at = {(r["case"]["label"], r["impl"]): r for r in rows}
@@ -178,18 +179,17 @@ def _plot_decode(plt, path: str, rows: list[dict], env: dict) -> None:
                 ys.append(r["time_ms"])
         ax.bar(xs, ys, width, label=impl)
     for i, case in enumerate(cases):
-        floor = next((r.get("memory_floor_ms") for r in rows if r["case"]["label"] == case
-                      and r.get("memory_floor_ms")), None)
+        floor = next((max(r["memory_floor_ms"], r.get("compute_floor_ms") or 0) for r in rows
+                      if r["case"]["label"] == case and r.get("memory_floor_ms")), None)
         if floor:
-            ax.hlines(floor, i - 0.45, i + 0.45, colors="black", linewidth=1.5,
-                      label="memory floor" if i == 0 else None)
+            ax.hlines(floor, i - 0.45, i + 0.45, colors="black", linewidth=1.5, label="floor" if i == 0 else None)
     ax.set_yscale("log")
     ax.set_xticks(range(len(cases)))
     ax.set_xticklabels(cases, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("time (ms, log scale)")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    _save(plt, fig, path, env, "decode")
+    _save(plt, fig, path, env, what)
 
 
 def _save(plt, fig, path: str, env: dict, what: str) -> None:

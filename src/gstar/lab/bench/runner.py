@@ -34,14 +34,16 @@ def _layout(layout: str, case: Case, device: torch.device):
     return (lambda t: t.detach()), (lambda t: t), (lambda x: x)  # the case's own layout
 
 
-def _leaves(inputs: dict, layout, grads: bool, paged: bool = False):
+def _leaves(inputs: dict, layout, grads: bool, paged: bool = False, packed_queries: bool = False):
     """``(leaves, views, dout_view)``: tensors gradients are taken for (q, k, v in the peer's layout, then
     ``sinks`` if any), the views the implementation receives, and the upstream gradient as a view. A paged
-    cache's pools (``k_pages``, ``v_pages``) take the place of k and v as they are, in every peer's layout.
+    cache's pools (``k_pages``, ``v_pages``) take the place of k and v as they are, in every peer's layout; so
+    do a mixed step's packed queries and upstream gradient, ``(total_q, Hq, D)`` (flash-attn's varlen layout).
     """
     leaf, view, _ = layout
-    leaves = [leaf(inputs["q"]).requires_grad_(grads)]
-    views = [view(leaves[0])]
+    q_leaf, q_view = ((lambda t: t.detach()), (lambda t: t)) if packed_queries else (leaf, view)
+    leaves = [q_leaf(inputs["q"]).requires_grad_(grads)]
+    views = [q_view(leaves[0])]
     for name in ("k", "v"):
         t = inputs[f"{name}_pages"] if paged else leaf(inputs[name]).requires_grad_(grads)
         leaves.append(t)
@@ -50,7 +52,7 @@ def _leaves(inputs: dict, layout, grads: bool, paged: bool = False):
     if sinks is not None:
         sinks = sinks.clone().requires_grad_(grads)
         leaves.append(sinks)
-    return leaves, views + [sinks], view(leaf(inputs["dout"]))
+    return leaves, views + [sinks], q_view(q_leaf(inputs["dout"]))
 
 
 def _row(peer: Peer, case: Case, status: str, reason: str | None = None, **measured) -> dict:
@@ -111,7 +113,7 @@ def run_row(peer: Peer, case: Case, mode: str, inputs: dict, ref: dict, pt: dict
             fn = functools.partial(fn, **fp8_descales(inputs))
         layout = _layout(peer.layout, case, device)
         view, back = layout[1], layout[2]
-        leaves, views, dout_view = _leaves(inputs, layout, grads, case.paged)
+        leaves, views, dout_view = _leaves(inputs, layout, grads, case.paged, case.mixed)
 
         def forward():
             return fn(*views)
@@ -154,6 +156,8 @@ def run_row(peer: Peer, case: Case, mode: str, inputs: dict, ref: dict, pt: dict
         msg = first_line(exc, 160)
         if is_oom(exc):
             return _row(peer, case, "OOM", msg)
+        if peer.guarded:
+            return _row(peer, case, "n/a", msg)
         if any(s in msg.lower() for s in _NO_KERNEL):
             return _row(peer, case, "n/a", msg.split(". ")[0])
         return _row(peer, case, "error", f"{type(exc).__name__}: {msg}")

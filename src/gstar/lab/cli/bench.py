@@ -1,17 +1,19 @@
 """``gstar bench``: gstar against its peers, same inputs, same process, checked before timed.
 
 Suites (docs/design.md section 5): ``gpt-oss``, ``long``, ``fa``, ``mla``, ``stages``, ``varlen``, ``models``,
-``all``, ``decode``, ``fp8``; or one custom case per ``--seqlen`` from the shape flags. Implementations: gstar, eager (Hugging
-Face GPT-OSS style), SDPA flash and cuDNN, compiled FlexAttention, and FlashAttention-4 / fla when importable;
-with a backward, also gstar with ``deterministic=False`` (``gstar-nondet``: dQ added up in any order where the
-Hopper backward serves the case); the ``varlen`` suite compares gstar on packed documents with gstar on the
-same documents padded into a batch;
-the ``decode`` suite (forward only) times decode steps against a cache, gstar's kvcache entry point beside its
-prefill kernel (``gstar-prefill``). Every row is checked against the naive oracle with the correctness bar
-before it is timed; a peer that cannot express a case shows as ``n/a (reason)``. Times are of calls made from
-Python (host time included), or with ``--timing graph`` of replays of each call captured in a CUDA graph (the
-kernels alone); the decode suite times graph replays on a GPU unless ``--timing eager`` is given, since a
-decode step's kernels take less time than the host takes to launch them. On a CPU-only machine gstar runs
+``all``, ``decode``, ``fp8``, ``serving``; or one custom case per ``--seqlen`` from the shape flags.
+Implementations: gstar, eager (Hugging Face GPT-OSS style), SDPA flash and cuDNN, compiled FlexAttention, and
+FlashAttention-4 / fla / FlashInfer when importable; with a backward, also gstar with ``deterministic=False``
+(``gstar-nondet``: dQ added up in any order where the Hopper backward serves the case); the ``varlen`` suite
+compares gstar on packed documents with gstar on the same documents padded into a batch; the ``decode`` suite
+(forward only) times decode steps against a cache, gstar's kvcache entry point beside its prefill kernel
+(``gstar-prefill``); the ``serving`` suite (forward only) times a GPT-OSS-20B server's mixed step, prefill
+chunks and decodes packed into one call over paged caches, and its parts. Every row is checked against the
+naive oracle with the correctness bar before it is timed; a peer that cannot express a case shows as
+``n/a (reason)``. Times are of calls made from Python (host time included), or with ``--timing graph`` of
+replays of each call captured in a CUDA graph (the kernels alone); the forward-only suites time graph replays
+on a GPU unless ``--timing eager`` is given, since a decode step's kernels take less time than the host takes
+to launch them. On a CPU-only machine gstar runs
 its tiled PyTorch path (the suites at reduced shapes); kernel timings need a GPU. ``--table`` prints the
 markdown tables of saved ``--json`` results instead of running anything.
 
@@ -51,14 +53,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "4 chunked layer beside a window as wide; decode (forward only, graph-timed by "
                              "default): GPT-OSS decode steps "
                              "against contiguous and paged caches; fp8 (forward only): FP8 inputs beside bfloat16, "
-                             "decode steps also against an FP8 cache under bfloat16 queries; "
-                             "all: every suite but decode and fp8")
+                             "decode steps also against an FP8 cache under bfloat16 queries; serving (forward "
+                             "only, graph-timed by default): a GPT-OSS-20B server's step of 4 prefill chunks and 60 "
+                             "decodes over paged caches, and its parts; all: every suite but decode, fp8 and serving")
     parser.add_argument("--mode", choices=MODES, default="fwd",
                         help="time the forward, the backward alone, or both (default: fwd)")
     parser.add_argument("--timing", choices=("eager", "graph"),
                         help="eager: time each call made from Python, host time included (the default, but for "
-                             "the decode suite on a GPU); graph (GPU): time replays of the call captured in a CUDA "
-                             "graph, the kernels alone; an implementation that cannot be captured is n/a, and "
+                             "the forward-only suites on a GPU); graph (GPU): time replays of the call captured in "
+                             "a CUDA graph, the kernels alone; an implementation that cannot be captured is n/a, and "
                              "PyTorch keeps a failed capture's memory, so later rows may find less free memory")
     parser.add_argument("--impls", type=_impl_list, default=list(PEER_NAMES), metavar="A,B,...",
                         help=f"comma-separated subset of: {', '.join(PEER_NAMES)} (default: all)")
@@ -100,8 +103,9 @@ def _custom(args) -> bool:
 
 
 def timing_of(args, cuda: bool) -> str:
-    """``--timing``, or its default: graph replays for the decode suite on a GPU (a decode step's kernels take
-    microseconds, less than the host needs to launch them, so eager calls would time the host), else eager."""
+    """``--timing``, or its default: graph replays for the forward-only suites (decode, fp8, serving) on a GPU (a
+    decode step's kernels take microseconds, less than the host needs to launch them, so eager calls would time
+    the host), else eager."""
     if args.timing:
         return args.timing
     return "graph" if cuda and args.suite in FORWARD_ONLY and not _custom(args) else "eager"
