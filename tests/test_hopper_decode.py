@@ -73,7 +73,8 @@ def _plan(monkeypatch, capacity, window=(-1, -1), B=1, num_splits=None, major=9,
     try:
         with monkeypatch.context() as m:
             m.setattr(hopper_decode, "fits", lambda *args: registers)
-            return dispatch.decode_plan(call, torch.device("cuda"), (None, None), B, 8, page, num_splits)
+            plan, = dispatch.decode_plans(call, torch.device("cuda"), (None, None), B, 8, page, num_splits)
+            return plan
     finally:
         for cached in (decode.plan, hopper_decode.plan):
             cached.cache_clear()

@@ -191,7 +191,7 @@ def test_softcap_gradient_matches_finite_differences():
 def test_gpu_fp8_softcap_matches_dequantized():
     """FP8 inputs under a soft-cap: the descales scale the raw scores inside the tanh (the kernels fold them into
     the cap's factor), as the dequantised inputs on the PyTorch path do."""
-    x = [torch.randn(1, 2, n, 16, device="cuda") for n in (19, 25, 25)]
+    x = [torch.randn(1, 2, n, 32, device="cuda") for n in (19, 25, 25)]
     (q, qd), (k, kd), (v, vd) = (gstar.quantize_fp8(t * 4) for t in x)
     kw = dict(causal=True, softcap=1.2, chunk=10, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=torch.float32)
     out = gstar.flash_attention(q, k, v, backend="triton", **kw)
