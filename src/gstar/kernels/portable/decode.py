@@ -45,26 +45,17 @@ PAGED_REGISTERS = 64  # per thread: a paged 16-bit cache's kernel on Hopper, 16 
 
 
 @triton.jit
-def _tile_offsets(offs_n, offs_d, stride_c, PAGED: tl.constexpr):
-    """Offsets (BLOCK_N, width) of a tile's keys ``offs_n`` and lanes ``offs_d`` from its first key: the same for
-    every tile of a walk (a tile lies in one page), so they are computed once and each tile adds a scalar."""
-    return offs_n[:, None] * (stride_c[1] if PAGED else stride_c[2]) + offs_d[None, :]
-
-
-@triton.jit
-def _tile_starts(K, V, BlockTable, b, hkv, start_n, stride_k, stride_v, stride_bt, page_size, PAGED: tl.constexpr):
-    """Pointers to key ``start_n`` of sequence ``b``, kv head ``hkv``, in K and in V. Contiguous caches have
-    (batch, head, row) strides; paged ones (page, row, head), the page of the tile read from the block table
-    once for both."""
+def _block_ptrs(Cache, BlockTable, b, hkv, start_n, offs_n, offs_d, stride_c, stride_bt, page_size,
+                PAGED: tl.constexpr):
+    """Pointers to keys ``start_n + offs_n`` of sequence ``b``, kv head ``hkv``: (BLOCK_N, D) for ``offs_d``.
+    Contiguous caches have (batch, head, row) strides ``stride_c``; paged ones (page, row, head), the page
+    of the block read from the block table."""
     if PAGED:
-        block = start_n // page_size
-        page = tl.load(BlockTable + b * stride_bt + block).to(tl.int64)
-        row = start_n - block * page_size
-        return (K + page * stride_k[0] + row * stride_k[1] + hkv * stride_k[2],
-                V + page * stride_v[0] + row * stride_v[1] + hkv * stride_v[2])
-    key = start_n.to(tl.int64)
-    return (K + b * stride_k[0] + hkv * stride_k[1] + key * stride_k[2],
-            V + b * stride_v[0] + hkv * stride_v[1] + key * stride_v[2])
+        page = tl.load(BlockTable + b * stride_bt + start_n // page_size).to(tl.int64)
+        rows = page * stride_c[0] + (start_n % page_size + offs_n).to(tl.int64) * stride_c[1] + hkv * stride_c[2]
+    else:
+        rows = b * stride_c[0] + hkv * stride_c[1] + (start_n + offs_n).to(tl.int64) * stride_c[2]
+    return Cache + rows[:, None] + offs_d[None, :]
 
 
 @triton.jit
@@ -96,21 +87,19 @@ def _fold_steps(acc, m_i, l_i, q, rows, i_lo, i_hi, cache, blocks, rule, scores,
     offs_d = tl.arange(0, pad_head_dim(HEAD_DIM))
     offs_dv = tl.arange(0, pad_head_dim(VALUE_DIM))
     offs_n = tl.arange(0, BLOCK_N)
-    k_offsets = _tile_offsets(offs_n, offs_d, stride_k, PAGED)  # (BLOCK_N, D_PAD)
-    v_offsets = _tile_offsets(offs_n, offs_dv, stride_v, PAGED)  # (BLOCK_N, DV_PAD)
     for i in range(i_lo, i_hi):
         start_n = block_at(blocks, i) * BLOCK_N
         cols = start_n + offs_n  # (BLOCK_N,)
         key_ok = (cols < nk) | (not MASKED)
-        k_start, v_start = _tile_starts(K, V, BlockTable, b, hkv, start_n, stride_k, stride_v, stride_bt, page_size,
-                                        PAGED)
-        k = tl.load(k_start + k_offsets,
+        k = tl.load(_block_ptrs(K, BlockTable, b, hkv, start_n, offs_n, offs_d, stride_k, stride_bt, page_size,
+                                PAGED),
                     mask=key_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)  # (BLOCK_N, D_PAD)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # (BLOCK_R, BLOCK_N) raw scores
         s = softcapped(s, softcap, SOFTCAP)
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, rows, cols, qk_scale, rule, MASKED, True)
         acc = acc * alpha[:, None]
-        v = tl.load(v_start + v_offsets,
+        v = tl.load(_block_ptrs(V, BlockTable, b, hkv, start_n, offs_n, offs_dv, stride_v, stride_bt, page_size,
+                                PAGED),
                     mask=key_ok[:, None] & (offs_dv[None, :] < VALUE_DIM), other=0.0)  # (BLOCK_N, DV_PAD)
         if v.dtype == tl.float8e4nv:  # an FP8 cache: P V in float16 (P in FP8 would miss the accuracy bar)
             v = _widen_values(v, PTX_WIDEN)
@@ -287,10 +276,13 @@ def _plan(B: int, Hkv: int, group: int, nq: int, D: int, Dv: int, block_r: int, 
     cap = {"maxnreg": PAGED_REGISTERS} if capped else {}
     args = dict(nq=nq, group=group, short_q=short_q, batch=B, **bounds(pattern), page_size=block_size if paged else 1)
     long = serves == "long"
+    # a long launch's tiles of 128 stacked rows hold a tile's scores, P and accumulator at once: 8 warps, where
+    # 4 spill (sm_90a, Triton 3.6: 255 registers, 384 bytes)
+    warps = 8 if long and block_r >= 128 else 4
     return Plan(_decode, (B, Hkv, 1) if long else (splits, Hkv * row_tiles, B), splits, args, constexprs(
         HEAD_DIM=D, VALUE_DIM=Dv, BLOCK_R=block_r, BLOCK_N=block_n, TILE_QUERIES=cdiv(block_r, group) + 1,
         SERVES=serves, PAGED=paged, SPLIT=splits > 1, MASK=mask(pattern), PRECISION=precision,
-        PTX_WIDEN=fp8 and card.nvidia(device), SOFTCAP=softcap, PDL=early_combine(device), num_warps=4,
+        PTX_WIDEN=fp8 and card.nvidia(device), SOFTCAP=softcap, PDL=early_combine(device), num_warps=warps,
         num_stages=stages, **cap),
         merge_options(Dv, splits, device), nq, block_r if long else 0)
 
