@@ -276,13 +276,10 @@ def _plan(B: int, Hkv: int, group: int, nq: int, D: int, Dv: int, block_r: int, 
     cap = {"maxnreg": PAGED_REGISTERS} if capped else {}
     args = dict(nq=nq, group=group, short_q=short_q, batch=B, **bounds(pattern), page_size=block_size if paged else 1)
     long = serves == "long"
-    # a long launch's tiles of 128 stacked rows hold a tile's scores, P and accumulator at once: 8 warps, where
-    # 4 spill (sm_90a, Triton 3.6: 255 registers, 384 bytes)
-    warps = 8 if long and block_r >= 128 else 4
     return Plan(_decode, (B, Hkv, 1) if long else (splits, Hkv * row_tiles, B), splits, args, constexprs(
         HEAD_DIM=D, VALUE_DIM=Dv, BLOCK_R=block_r, BLOCK_N=block_n, TILE_QUERIES=cdiv(block_r, group) + 1,
         SERVES=serves, PAGED=paged, SPLIT=splits > 1, MASK=mask(pattern), PRECISION=precision,
-        PTX_WIDEN=fp8 and card.nvidia(device), SOFTCAP=softcap, PDL=early_combine(device), num_warps=warps,
+        PTX_WIDEN=fp8 and card.nvidia(device), SOFTCAP=softcap, PDL=early_combine(device), num_warps=4,
         num_stages=stages, **cap),
         merge_options(Dv, splits, device), nq, block_r if long else 0)
 
