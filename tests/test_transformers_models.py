@@ -89,6 +89,17 @@ def _assert_rule_matters(arch, eager, ids, **inputs):
         assert max_error(off(input_ids=ids, **inputs).logits, eager(input_ids=ids, **inputs).logits) > 1000 * ATOL
 
 
+def _assert_training_step_matches(eager, ours, ids, mask):
+    """Logits on the real tokens, the loss and every parameter's gradient of one training step equal eager's."""
+    outs = [m(input_ids=ids, attention_mask=mask, labels=_labels(ids, mask)) for m in (eager, ours)]
+    real = mask.bool()
+    assert max_error(outs[1].logits[real], outs[0].logits[real]) <= ATOL
+    assert max_error(outs[1].loss, outs[0].loss) <= ATOL
+    for out in outs:
+        out.loss.backward()
+    _assert_same_grads(eager, ours)
+
+
 def _labels(ids, mask):
     """Next-token labels at real tokens; a padded position's logits are undefined (eager: garbage, gstar: from
     a zero attention output), so each row's first real token is dropped as a target too."""
@@ -104,14 +115,7 @@ def test_batch_matches_eager(arch, padding):
     mask = torch.ones_like(ids) if padding is None else _padding_mask([N, 11, 6], padding)
     if padding is None:
         _assert_rule_matters(arch, eager, ids)
-    labels = _labels(ids, mask)
-    outs = [m(input_ids=ids, attention_mask=mask, labels=labels) for m in (eager, ours)]
-    real = mask.bool()
-    assert max_error(outs[1].logits[real], outs[0].logits[real]) <= ATOL
-    assert max_error(outs[1].loss, outs[0].loss) <= ATOL
-    for out in outs:
-        out.loss.backward()
-    _assert_same_grads(eager, ours)
+    _assert_training_step_matches(eager, ours, ids, mask)
 
 
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
@@ -207,13 +211,7 @@ def test_gemma3_bidirectional_text_model_matches_eager():
     eager, ours = _pair(_gemma3(use_bidirectional_attention=True))
     ids = torch.randint(0, VOCAB, (3, N))
     mask = _padding_mask([N, 11, 6], "right")
-    outs = [m(input_ids=ids, attention_mask=mask, labels=_labels(ids, mask)) for m in (eager, ours)]
-    real = mask.bool()
-    assert max_error(outs[1].logits[real], outs[0].logits[real]) <= ATOL
-    assert max_error(outs[1].loss, outs[0].loss) <= ATOL
-    for out in outs:
-        out.loss.backward()
-    _assert_same_grads(eager, ours)
+    _assert_training_step_matches(eager, ours, ids, mask)
 
 
 def _gemma3_vision():
