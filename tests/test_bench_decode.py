@@ -30,8 +30,10 @@ def parse(*argv):
 
 def test_decode_suite_follows_the_design():
     """The table's batch x cache lengths and GPT-OSS heads, both layer patterns, one query; each case again in
-    pages of DECODE_PAGE keys; the GPT-OSS-20B step of 64 sequences of unequal lengths, in both layouts."""
-    dec = suite("decode")
+    pages of DECODE_PAGE keys; the GPT-OSS-20B step of 64 sequences of unequal lengths, in both layouts (the
+    latent decode rows that follow them: tests/test_bench_latent.py)."""
+    dec = [c for c in suite("decode") if not c.latent]
+    assert suite("decode")[:len(dec)] == dec
     assert all((c.heads, c.kv_heads, c.head_dim, c.dtype, c.sinks, c.causal, c.queries) ==
                (64, 8, 64, "bfloat16", True, True, 1) for c in dec)
     contiguous = [c for c in dec if not c.paged]
@@ -67,7 +69,7 @@ def test_decode_floor_is_the_visible_cache():
     q_out_lse = 2 * (2 * 64 * 64) + 4 * 64  # one query per head: q and out in bf16, lse in float32
     floors = {(1, 131072): 0.056, (1, 8192): 0.0035, (8, 32768): 0.112, (32, 4096): 0.056}
     for c in suite("decode"):
-        if c.lengths:
+        if c.lengths or c.latent:
             continue
         keys = c.seqlen if c.window == (-1, -1) else 128
         assert c.visible_keys() == c.batch * keys

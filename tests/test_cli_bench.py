@@ -33,7 +33,7 @@ def test_defaults():
     assert cases_from_args(args, "cuda") == suite("gpt-oss")
 
 
-@pytest.mark.parametrize("name", ["stages", "gpt-oss", "long", "fa", "mla", "varlen", "models", "all"])
+@pytest.mark.parametrize("name", ["stages", "gpt-oss", "long", "fa", "mla", "varlen", "models", "gemma", "all"])
 @pytest.mark.parametrize("mode", ["fwd", "bwd", "fwd+bwd"])
 def test_suites_and_modes(name, mode):
     args = parse("--suite", name, "--mode", mode)
@@ -70,8 +70,8 @@ def test_reference_suites_follow_the_design():
     assert {c.window for c in varlen} == {(-1, -1), (127, 0)}
     assert all(len(c.lengths) == 16 and c.tokens == 16384 and min(c.lengths) > 0 for c in varlen)
     mla = suite("mla")
-    assert {(c.batch, c.seqlen, c.heads, c.kv_heads, c.head_dim, c.dv, c.causal) for c in mla} == \
-        {(2, 4096, 128, 128, 192, 128, True)}
+    assert [(c.batch, c.seqlen, c.heads, c.kv_heads, c.head_dim, c.dv, c.causal) for c in mla] == \
+        [(2, 4096, 128, 128, 192, 128, True), (1, 8192, 128, 128, 192, 128, True)]
     models = suite("models")
     gemma, llama = models[:4], models[4:]
     assert {(c.batch, c.seqlen, c.heads, c.kv_heads, c.head_dim, c.dtype, c.causal) for c in gemma} == \
@@ -82,8 +82,11 @@ def test_reference_suites_follow_the_design():
         {(1, 16384, 40, 8, 128, "bfloat16", True, 0.0)}
     assert [(c.window, c.chunk) for c in llama] == [((-1, -1), 8192), ((8191, 0), 0)]
     assert not any(c.chunk for c in gemma) and not any(c.sinks or c.sink_tokens for c in models)
-    assert len(suite("all")) == sum(len(suite(n)) for n in ("gpt-oss", "long", "fa", "mla", "stages", "varlen",
-                                                             "models"))
+    # every case of the training suites once: the gemma suite's Gemma 2 rows at 8k are models' uncapped rows
+    each = [c for n in ("gpt-oss", "long", "fa", "mla", "stages", "varlen", "models", "gemma") for c in suite(n)]
+    twins = [c for c in suite("gemma") if dataclasses.replace(c, family="models") in models]
+    assert [(c.seqlen, c.window) for c in twins] == [(8192, (-1, -1)), (8192, (4095, 0))]
+    assert suite("all") == [c for c in each if c not in twins]
 
 
 def test_a_case_by_label():

@@ -11,7 +11,8 @@ only the visible ``(i, j)`` pairs of its pattern (forward: ``2 * B * Hq * (D + D
 traffic any implementation needs (read the queries and every key and value some query sees once, write the
 outputs once): the memory floor of the roofline. A decode step's floor is its visible keys and values: the
 whole cache for a full-causal layer, the window's keys for a sliding one; a mixed step's each sequence's
-visible keys (a chunk's window spans its queries and the window before them).
+visible keys (a chunk's window spans its queries and the window before them). A latent cache (``Case.latent``:
+multi-head latent attention, whose values are the first ``Dv`` lanes of its keys) is read once, ``D`` lanes a key.
 """
 
 from __future__ import annotations
@@ -60,6 +61,11 @@ class Case:
     keys of its own chunk of ``chunk`` positions. ``softcap`` (Gemma 2's logit soft-capping, 0.0: none) is not:
     it changes the scores (``softcap * tanh(s / softcap)``), not which keys are seen, so it leaves the FLOP count
     and the memory floor alone (tanh is no matmul FLOP).
+
+    ``latent`` (a decode case with ``Dv <= D``, 16-bit or float32 inputs): multi-head latent attention decoded
+    with absorbed weights, whose values are the first ``Dv`` lanes of the keys' cache: ``v = k[..., :Dv]``, and
+    paged ``v_pages = k_pages[..., :Dv]``, views of one cache (measure.make_inputs), which every peer receives as
+    it is. The memory floor reads that cache once, ``D`` lanes a key, and no value lane beside it.
     """
 
     family: str
@@ -80,6 +86,7 @@ class Case:
     softcap: float = 0.0
     chunk: int = 0
     query_lengths: tuple[int, ...] = ()
+    latent: bool = False
 
     def __post_init__(self):
         if self.decode and self.lengths and (self.batch != len(self.lengths) or max(self.lengths) > self.seqlen):
@@ -97,6 +104,10 @@ class Case:
         if self.fp8_cache and not self.decode:
             raise ValueError(f"dtype {FP8_CACHE!r} (an FP8 cache under bfloat16 queries) is for decode cases "
                              f"(queries > 0)")
+        if self.latent and not (self.decode and self.dv <= self.head_dim and not self.fp8):
+            raise ValueError(f"a latent cache (values the first Dv lanes of the keys) is for decode cases with Dv <= "
+                             f"D and 16-bit or float32 inputs (FP8 quantises keys and values apart), got queries "
+                             f"{self.queries}, D {self.head_dim}, Dv {self.dv}, {self.dtype}")
 
     def _counts_fit(self) -> bool:
         """A mixed step's query counts: one per cache, each within its cache, the longest ``queries`` (>= 1);
@@ -211,6 +222,7 @@ class Case:
         """Everything but batch and length: the line a case belongs to in a plot against sequence length."""
         heads = f"H{self.heads}" if self.kv_heads == self.heads else f"H{self.heads}/{self.kv_heads}"
         dims = f"D{self.head_dim}" if self.dv == self.head_dim else f"D{self.head_dim}/{self.dv}"
+        dims += " latent" if self.latent else ""
         words = f"{heads} {dims} {self.mask_label} {'fp8 cache' if self.fp8_cache else _SHORT_DTYPE[self.torch_dtype]}"
         if self.decode:
             counts = _counts(self.query_lengths) if self.mixed else self.queries
@@ -249,11 +261,12 @@ class Case:
         return 2.0 * (of_d * self.head_dim + of_dv * self.dv) * self.visible_pairs()
 
     def bytes_moved(self, mode: str) -> int:
-        """The least HBM traffic of ``mode``: each query and each visible key and value read once, each
-        output written once."""
+        """The least HBM traffic of ``mode``: each query and each visible key and value read once (a latent
+        cache's values are lanes of its keys, read with them), each output written once."""
         esize = torch.finfo(self.torch_dtype).bits // 8
         q_elems, o_elems = (self.tokens * self.heads * d for d in (self.head_dim, self.dv))
-        k_elems, v_elems = (self.visible_keys() * self.kv_heads * d for d in (self.head_dim, self.dv))
+        k_elems, v_elems = (self.visible_keys() * self.kv_heads * d
+                            for d in (self.head_dim, 0 if self.latent else self.dv))
         rows = self.tokens * self.heads
         o_size = 2 if self.fp8 else esize  # FP8 inputs write a bfloat16 output
         q_size = 2 if self.fp8_cache else esize  # bfloat16 queries against an FP8 cache
@@ -363,11 +376,29 @@ def _serving_step(family: str) -> list[Case]:
     return _gpt_oss(family, STEP_BATCH, STEP_MOST, queries=1, lengths=cache_lengths(STEP_BATCH, STEP_MOST))
 
 
+# DeepSeek-V3's multi-head latent attention decoded with absorbed weights (transformers' DeepseekV3Config: 128
+# heads, kv_lora_rank 512, qk_rope_head_dim 64): every query head attends one latent cache of 512 + 64 = 576 lanes
+# a key, whose first 512 lanes are also the values (Case.latent), in pages of DECODE_PAGE keys as serving engines
+# keep it. The default scale, 576 ** -0.5, stands in for the model's (192 ** -0.5 times YaRN's mscale): a scale
+# changes no FLOP and no byte.
+_MLA_DECODE = dict(heads=128, kv_heads=1, head_dim=576, value_dim=512, causal=True, dtype="bfloat16", queries=1,
+                   page_size=DECODE_PAGE, latent=True)
+
+
+def _mla_decode(family: str) -> list[Case]:
+    """Latent decode steps: one long cache and a batch of long ones (the table's first and third shapes), then
+    the serving step's STEP_BATCH caches of cache_lengths."""
+    table = [Case(family, b, seqlen=n, **_MLA_DECODE) for b, n in DECODE_SHAPES[::2]]
+    step = Case(family, STEP_BATCH, seqlen=STEP_MOST, lengths=cache_lengths(STEP_BATCH, STEP_MOST), **_MLA_DECODE)
+    return table + [step]
+
+
 def _decode_suite() -> list[Case]:
-    """The table's shapes and the GPT-OSS-20B step, each pattern, in a contiguous cache then a paged one."""
+    """The table's shapes and the GPT-OSS-20B step, each pattern, in a contiguous cache then a paged one; then
+    DeepSeek-V3's latent decode steps."""
     table = [c for b, n in DECODE_SHAPES for c in _gpt_oss("decode", b, n, queries=1)]
     step = _serving_step("decode")
-    return table + step + [dataclasses.replace(c, page_size=DECODE_PAGE) for c in table + step]
+    return table + step + [dataclasses.replace(c, page_size=DECODE_PAGE) for c in table + step] + _mla_decode("decode")
 
 
 # One step of a GPT-OSS-20B server with chunked prefill: SERVING_CHUNKS prompts each bring a chunk of
@@ -400,8 +431,14 @@ def _serving_suite() -> list[Case]:
 # Gemma 2 9B (transformers' Gemma2Config): 16 query heads, 8 kv heads, head dim 256 (its query_pre_attn_scalar,
 # so the default scale), scores soft-capped at 50 (attn_logit_softcapping); global causal layers alternate with
 # sliding layers of 4096 keys (sliding_window = 4096: window (4095, 0)), 8192 positions.
-_GEMMA2 = dict(batch=1, seqlen=8192, heads=16, kv_heads=8, head_dim=256, causal=True, dtype="bfloat16")
+_GEMMA = dict(heads=16, kv_heads=8, head_dim=256, causal=True, dtype="bfloat16")
+_GEMMA2 = dict(batch=1, seqlen=8192, **_GEMMA)
 GEMMA2_SOFTCAP, GEMMA2_WINDOW = 50.0, (4095, 0)
+# Gemma 3 12B (Gemma3TextConfig as its model sets it): the same heads (16 / 8, head dim 256, query_pre_attn_scalar
+# 256), no soft-cap, five sliding layers of 1024 keys (sliding_window = 1024: window (1023, 0)) to a global one.
+GEMMA3_WINDOW = (1023, 0)
+# batch x length at 4k and 8k positions, 8192 tokens a batch (the gemma and mla suites)
+SHAPES_4K_8K = ((2, 4096), (1, 8192))
 # Llama 4 (Scout and Maverick, transformers' Llama4TextConfig): 40 query heads, 8 kv heads, head dim 128; its local
 # layers attend causally inside chunks of 8192 positions (attention_chunk_size).
 _LLAMA4 = dict(batch=1, seqlen=16384, heads=40, kv_heads=8, head_dim=128, causal=True, dtype="bfloat16")
@@ -420,6 +457,15 @@ def _models_suite() -> list[Case]:
     return gemma + llama
 
 
+def _gemma_suite() -> list[Case]:
+    """Gemma 2 9B's global and sliding layers, then Gemma 3 12B's sliding layer (its global layers are Gemma 2's
+    causal rows), at each of SHAPES_4K_8K, without soft-cap: the models suite times Gemma 2's soft-capped layers
+    (and its uncapped B1 N8192 rows are these, which ``all`` runs once). At 4096 positions Gemma 2's window of
+    4096 keys hides none: the causal row's work, through the window's path."""
+    return [Case("gemma", b, seqlen=n, window=w, **_GEMMA) for b, n in SHAPES_4K_8K
+            for w in ((-1, -1), GEMMA2_WINDOW, GEMMA3_WINDOW)]
+
+
 def _fp8_suite() -> list[Case]:
     """Each FP8 case beside the same case in bfloat16: D 128 causal 8k, the GPT-OSS layers, long decode steps and
     the GPT-OSS-20B serving step from a paged cache (these also against an FP8 cache under bfloat16 queries)."""
@@ -435,8 +481,8 @@ SUITES = {
     "gpt-oss": lambda: _gpt_oss("gpt-oss", 2, 4096),
     "long": lambda: _gpt_oss("long", 1, 8192) + _gpt_oss("long", 1, 32768),
     "fa": lambda: [Case("fa", 4, 16, 16, 8192, 128, causal=c) for c in (False, True)],
-    # multi-head latent attention's training shape (DeepSeek-V3): queries and keys 192 wide, values 128
-    "mla": lambda: [Case("mla", 2, 128, 128, 4096, 192, causal=True, value_dim=128)],
+    # multi-head latent attention's training shape (DeepSeek-V3): queries and keys 192 wide, values 128; 4k and 8k
+    "mla": lambda: [Case("mla", b, 128, 128, n, 192, causal=True, value_dim=128) for b, n in SHAPES_4K_8K],
     "stages": lambda: [
         Case("stages", kv_heads=16, **_STAGES),                                        # stage 3
         Case("stages", kv_heads=16, causal=True, **_STAGES),                           # stage 4
@@ -449,7 +495,11 @@ SUITES = {
                        for w in ((-1, -1), (127, 0))],
     # Gemma 2 layers with and without their logit soft-cap; a Llama 4 chunked layer beside a window as wide
     "models": _models_suite,
-    # GPT-OSS decode steps: the table's shapes, contiguous and paged, and a GPT-OSS-20B serving step
+    # Gemma 2 9B's causal and sliding layers and Gemma 3 12B's sliding layer at 4k and 8k, no soft-cap (the models
+    # suite times Gemma 2's soft-capped layers)
+    "gemma": _gemma_suite,
+    # GPT-OSS decode steps: the table's shapes, contiguous and paged, and a GPT-OSS-20B serving step; DeepSeek-V3's
+    # latent decode steps, paged
     "decode": _decode_suite,
     # FP8 inputs (forward only) beside bfloat16
     "fp8": _fp8_suite,
@@ -462,9 +512,16 @@ FORWARD_ONLY = ("decode", "fp8", "serving")  # suites with no backward (decode s
 
 def suite(name: str) -> list[Case]:
     """The cases of a suite of docs/design.md section 5 (``all``: every suite that times every mode, in
-    order; ``decode``, ``fp8`` and ``serving``, forward only, run on their own)."""
+    order, a case that an earlier suite holds already, but for its family, left out: the gemma suite's Gemma 2
+    rows at B1 N8192 are the models suite's uncapped rows; ``decode``, ``fp8`` and ``serving``, forward only, run
+    on their own)."""
     if name == "all":
-        return [c for key, build in SUITES.items() if key not in FORWARD_ONLY for c in build()]
+        seen, cases = set(), []
+        for c in (c for key, build in SUITES.items() if key not in FORWARD_ONLY for c in build()):
+            if (same := dataclasses.replace(c, family="")) not in seen:
+                seen.add(same)
+                cases.append(c)
+        return cases
     if name not in SUITES:
         raise ValueError(f"unknown suite {name!r}; choose from {', '.join(SUITE_NAMES)}")
     return SUITES[name]()

@@ -42,7 +42,8 @@ def make_inputs(case: Case, device, *, seed: int = 0) -> dict:
     None; dout: (B, Hq, N, Dv), the upstream gradient of the backward modes. A packed case's tensors are
     (total, H, D or Dv) instead. A decode case's q and dout hold its Nq queries, k and v its cache (random
     past each sequence's length too, so that reading there shows); a paged one adds ``k_pages`` and
-    ``v_pages``, the same cache as its pool (``Case.to_pages``). A mixed step's q and dout are packed,
+    ``v_pages``, the same cache as its pool (``Case.to_pages``). A latent case's v and v_pages are views of the
+    first Dv lanes of k and k_pages (one cache, ``Case.latent``). A mixed step's q and dout are packed,
     ``(total_q, Hq, D)``, its cache as a decode case's.
     """
     g = torch.Generator(device=device).manual_seed(seed)
@@ -53,9 +54,9 @@ def make_inputs(case: Case, device, *, seed: int = 0) -> dict:
         return rand(*shape, width).to(torch.float32 if case.fp8 else case.torch_dtype)  # FP8: quantised below
     nq, packed_q = case.queries or case.seqlen, case.packed or case.mixed
     inputs = {"q": tokens(case.heads, case.head_dim, nq, packed_q),
-              "k": tokens(case.kv_heads, case.head_dim, case.seqlen),
-              "v": tokens(case.kv_heads, case.dv, case.seqlen), "sinks": rand(case.heads) if case.sinks else None,
-              "dout": tokens(case.heads, case.dv, nq, packed_q)}
+              "k": tokens(case.kv_heads, case.head_dim, case.seqlen)}
+    inputs["v"] = inputs["k"][..., :case.dv] if case.latent else tokens(case.kv_heads, case.dv, case.seqlen)
+    inputs.update(sinks=rand(case.heads) if case.sinks else None, dout=tokens(case.heads, case.dv, nq, packed_q))
     if case.fp8:  # each head at its own magnitude, quantised per head (queries per GQA group)
         for name, heads in (("q", case.heads), ("k", case.kv_heads), ("v", case.kv_heads)):
             x = inputs[name].float() * (rand(heads).abs() + 0.5).view(1, heads, 1, 1)
@@ -65,7 +66,8 @@ def make_inputs(case: Case, device, *, seed: int = 0) -> dict:
             inputs[name], inputs[f"{name}_descale"] = quantize_fp8(
                 x, kv_heads=case.kv_heads if name == "q" else None)
     if case.paged:
-        inputs.update(k_pages=case.to_pages(inputs["k"]), v_pages=case.to_pages(inputs["v"]))
+        k_pages = case.to_pages(inputs["k"])
+        inputs.update(k_pages=k_pages, v_pages=k_pages[..., :case.dv] if case.latent else case.to_pages(inputs["v"]))
     return inputs
 
 
@@ -119,7 +121,8 @@ def _dense(case: Case, inputs: dict, dtype: torch.dtype, grads: bool) -> dict:
     # ~8 float32 buffers of Nk keys per (row, head) while the score matrix and its gradient are alive; per kv
     # head its keys and values repeated for the group in the oracle's dtype (what a decode step's few rows need)
     row_bytes = group * Nk * 4 * 8
-    head_bytes = row_bytes * Nq + group * Nk * (D + v.shape[-1]) * dtype.itemsize
+    copy_bytes = Nk * (D + v.shape[-1]) * dtype.itemsize  # one query head's copy of its kv head's keys and values
+    head_bytes = row_bytes * Nq + group * copy_bytes
     budget, min_rows = _budget(q.device), min(MIN_PIECE_ROWS, Nq)
     rows_fit = budget // row_bytes
     if rows_fit < min_rows:  # thinner pieces take hours (one autograd call each)
@@ -132,6 +135,10 @@ def _dense(case: Case, inputs: dict, dtype: torch.dtype, grads: bool) -> dict:
     prefix = p.right == 0
     rowwise = prefix or (p.left < 0 and p.right < 0 and not p.chunk)
     row_step = min(Nq, rows_fit) if (kv_step == 1 and rowwise) else Nq
+    # a group whose copies of its keys and values alone overflow the budget (a hundred query heads on one long kv
+    # head: latent decoding) is cut into pieces of its query heads
+    heads_step = group * kv_step if group * copy_bytes <= budget else \
+        max(1, min(group, budget // (copy_bytes + row_step * row_bytes // group)))
     acc = torch.promote_types(dtype, torch.float32)  # dk, dv, dsinks sum over pieces
     out = torch.empty(B, Hq, Nq, v.shape[-1], dtype=dtype, device=q.device)                  # (B, Hq, Nq, Dv)
     if grads:
@@ -142,27 +149,28 @@ def _dense(case: Case, inputs: dict, dtype: torch.dtype, grads: bool) -> dict:
     for b in range(B):
         for g0 in range(0, Hkv, kv_step):
             g1 = min(Hkv, g0 + kv_step)
-            h0, h1 = g0 * group, g1 * group
-            for r0 in range(0, Nq, row_step):
-                r1 = min(Nq, r0 + row_step)
-                ke = Nk - Nq + r1 if prefix else Nk  # keys [0, ke) hold every key rows r0..r1 see
-                piece = [q[b:b + 1, h0:h1, r0:r1], k[b:b + 1, g0:g1, :ke], v[b:b + 1, g0:g1, :ke]]
-                piece = [t.detach().to(dtype).requires_grad_(grads) for t in piece]
-                sk = None if sinks is None else sinks[h0:h1].detach().to(dtype).requires_grad_(grads)
-                with torch.enable_grad() if grads else torch.no_grad():
-                    o, _ = naive_attention(*piece, causal=case.causal, window=case.window,
-                                           sink_tokens=case.sink_tokens, sinks=sk, softcap=case.softcap,
-                                           chunk=case.chunk)
-                out[b:b + 1, h0:h1, r0:r1] = o.detach()
-                if grads:
-                    wrt = piece + ([sk] if sk is not None else [])
-                    gs = torch.autograd.grad(o, wrt, dout[b:b + 1, h0:h1, r0:r1].to(dtype))
-                    dq[b:b + 1, h0:h1, r0:r1] = gs[0]
-                    dk[b:b + 1, g0:g1, :ke] += gs[1]
-                    dv[b:b + 1, g0:g1, :ke] += gs[2]
-                    if sk is not None:
-                        dsinks[h0:h1] += gs[3]
-                del piece, sk, o
+            for h0 in range(g0 * group, g1 * group, heads_step):
+                h1 = min(g1 * group, h0 + heads_step)
+                for r0 in range(0, Nq, row_step):
+                    r1 = min(Nq, r0 + row_step)
+                    ke = Nk - Nq + r1 if prefix else Nk  # keys [0, ke) hold every key rows r0..r1 see
+                    piece = [q[b:b + 1, h0:h1, r0:r1], k[b:b + 1, g0:g1, :ke], v[b:b + 1, g0:g1, :ke]]
+                    piece = [t.detach().to(dtype).requires_grad_(grads) for t in piece]
+                    sk = None if sinks is None else sinks[h0:h1].detach().to(dtype).requires_grad_(grads)
+                    with torch.enable_grad() if grads else torch.no_grad():
+                        o, _ = naive_attention(*piece, causal=case.causal, window=case.window,
+                                               sink_tokens=case.sink_tokens, sinks=sk, softcap=case.softcap,
+                                               chunk=case.chunk)
+                    out[b:b + 1, h0:h1, r0:r1] = o.detach()
+                    if grads:
+                        wrt = piece + ([sk] if sk is not None else [])
+                        gs = torch.autograd.grad(o, wrt, dout[b:b + 1, h0:h1, r0:r1].to(dtype))
+                        dq[b:b + 1, h0:h1, r0:r1] = gs[0]
+                        dk[b:b + 1, g0:g1, :ke] += gs[1]
+                        dv[b:b + 1, g0:g1, :ke] += gs[2]
+                        if sk is not None:
+                            dsinks[h0:h1] += gs[3]
+                    del piece, sk, o
     if not grads:
         return {"out": out}
     res = {"out": out, "dq": dq, "dk": dk, "dv": dv}
@@ -353,8 +361,14 @@ def peak_bytes(fn, device: torch.device, held: int) -> int:
 
 
 def nbytes(*tensors) -> int:
-    """Total bytes of the tensors given (``None`` entries count 0)."""
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    """Total bytes of the tensors given (``None`` entries count 0), tensors of one storage (a latent cache's
+    values, a view of its keys) counted once, as the largest of them."""
+    held: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            where = t.untyped_storage().data_ptr()
+            held[where] = max(held.get(where, 0), t.numel() * t.element_size())
+    return sum(held.values())
 
 
 def is_oom(exc: BaseException) -> bool:

@@ -16,7 +16,8 @@ has rows for gstar on the packed tokens and for gstar on the same documents padd
 
 A decode case (the ``decode`` suite) gives ``q: (B, Hq, Nq, D)`` and its cache as ``k: (B, Hkv, N, D)``,
 ``v: (B, Hkv, N, Dv)``, or, paged, as the pools ``(pages, page_size, Hkv, D)`` / ``(..., Dv)`` of
-``Case.block_table`` (the same layout for every peer). Each peer takes the lengths (``Case.cache_seqlens``)
+``Case.block_table`` (the same layout for every peer); a latent case's (``Case.latent``) v and its pool are views
+of the first ``Dv`` lanes of k and its pool. Each peer takes the lengths (``Case.cache_seqlens``)
 and the block table from the case in :meth:`Peer.build`, on the device, outside the timed call. gstar runs
 ``flash_attention_with_kvcache``; ``gstar-prefill`` runs ``flash_attention`` on the same queries and dense
 cache (the training kernel: one program per sequence and kv head).
@@ -63,6 +64,7 @@ def _window_or_causal_only(case: Case) -> str | None:
 NO_SOFTCAP = "no logit soft-capping"
 NO_CHUNK = "no chunked attention"
 NO_PACKED_QUERIES = "no packed queries (one query count for the whole batch)"
+FA4_MAX_HEAD_DIM = 256  # flash_attn.cute's interface asserts head_dim <= 256 (4.0.0b36): no latent decoding (576)
 
 
 def _softcap_or_chunk(case: Case, *, softcap: bool, chunk: bool) -> str | None:
@@ -464,6 +466,8 @@ class FA4(Peer):
             return rule + (" (only as a CuTe DSL mask_mod)" if rule == NO_CHUNK else "")
         if case.torch_dtype == torch.float32:
             return "fp16/bf16 only"
+        if case.head_dim > FA4_MAX_HEAD_DIM:
+            return f"head dims up to {FA4_MAX_HEAD_DIM}"
         if case.decode and "seqused_k" not in params:
             return "no per-sequence key lengths"
         if case.mixed and "cu_seqlens_q" not in params:
@@ -645,6 +649,8 @@ class FlashInfer(Peer):
             return "no sink tokens"
         if case.torch_dtype == torch.float32:
             return "fp16/bf16 only"
+        if case.dv != case.head_dim:  # its paged wrappers take one head dim; latent attention has wrappers of its own
+            return "values as wide as the keys only (latent attention: FlashInfer's MLA wrapper, not built here)"
         if case.sinks and "sinks" not in inspect.signature(self._wrapper(case).run).parameters:
             return "no learned sinks"
         return None

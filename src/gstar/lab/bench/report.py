@@ -80,7 +80,7 @@ def write_json(path: str, payload: dict) -> None:
 
 CSV_CASE_FIELDS = ("family", "batch", "heads", "kv_heads", "seqlen", "head_dim", "value_dim", "causal", "window_left",
                    "window_right", "sink_tokens", "sinks", "dtype", "lengths", "queries", "page_size", "softcap",
-                   "chunk", "query_lengths")
+                   "chunk", "query_lengths", "latent")
 CSV_ROW_FIELDS = ("impl", "status", "reason", "time_ms", "tflops", "peak_mib", "vs_gstar", "max_error",
                   "memory_floor_ms", "compute_floor_ms", "bound", "floor_pct")
 CSV_ENV_FIELDS = ("card", "driver", "cuda", "torch", "triton", "timing", "date", "command")

@@ -1,14 +1,15 @@
 """``gstar bench``: gstar against its peers, same inputs, same process, checked before timed.
 
 Suites (docs/design.md section 5): ``gpt-oss``, ``long``, ``fa``, ``mla``, ``stages``, ``varlen``, ``models``,
-``all``, ``decode``, ``fp8``, ``serving``; or one custom case per ``--seqlen`` from the shape flags.
+``gemma``, ``all``, ``decode``, ``fp8``, ``serving``; or one custom case per ``--seqlen`` from the shape flags.
 Implementations: gstar, eager (Hugging Face GPT-OSS style), SDPA flash and cuDNN, compiled FlexAttention, and
 FlashAttention-4 / fla / FlashInfer when importable; with a backward, also gstar with ``deterministic=False``
 (``gstar-nondet``: dQ added up in any order where the Hopper backward serves the case); the ``varlen`` suite
 compares gstar on packed documents with gstar on the same documents padded into a batch; the ``decode`` suite
 (forward only) times decode steps against a cache, gstar's kvcache entry point beside its prefill kernel
-(``gstar-prefill``); the ``serving`` suite (forward only) times a GPT-OSS-20B server's mixed step, prefill
-chunks and decodes packed into one call over paged caches, and its parts. Every row is checked against the
+(``gstar-prefill``), GPT-OSS heads and DeepSeek-V3's latent attention (one paged cache, values its first
+lanes); the ``serving`` suite (forward only) times a GPT-OSS-20B server's mixed step, prefill chunks and decodes
+packed into one call over paged caches, and its parts. Every row is checked against the
 naive oracle with the correctness bar before it is timed; a peer that cannot express a case shows as
 ``n/a (reason)``. Times are of calls made from Python (host time included), or with ``--timing graph`` of
 replays of each call captured in a CUDA graph (the kernels alone); the forward-only suites time graph replays
@@ -50,9 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="reference shapes of docs/design.md section 5 (default: gpt-oss); varlen: gstar on "
                              "16 packed documents (16384 tokens, GPT-OSS heads) against the same documents padded "
                              "into a batch; models: Gemma 2 layers with and without their logit soft-cap, a Llama "
-                             "4 chunked layer beside a window as wide; decode (forward only, graph-timed by "
-                             "default): GPT-OSS decode steps "
-                             "against contiguous and paged caches; fp8 (forward only): FP8 inputs beside bfloat16, "
+                             "4 chunked layer beside a window as wide; gemma: Gemma 2 9B's causal and sliding "
+                             "layers and Gemma 3 12B's sliding layer at 4k and 8k, no soft-cap; mla: DeepSeek-V3's "
+                             "training shape at 4k and 8k; decode (forward only, graph-timed by default): GPT-OSS "
+                             "decode steps against contiguous and paged caches, DeepSeek-V3 latent decode steps "
+                             "against paged ones; fp8 (forward only): FP8 inputs beside bfloat16, "
                              "decode steps also against an FP8 cache under bfloat16 queries; serving (forward "
                              "only, graph-timed by default): a GPT-OSS-20B server's step of 4 prefill chunks and 60 "
                              "decodes over paged caches, and its parts; all: every suite but decode, fp8 and serving")
