@@ -30,15 +30,19 @@ def _serves(dtype, D, Dv, pattern, packed=False):
     (torch.bfloat16, 128, 128, 256, True, (127, 0), False),    # a window layer
     (torch.bfloat16, 128, 128, 256, False, (-1, 5), False),    # a right bound past the diagonal
     (torch.bfloat16, 128, 128, 127, True, (-1, -1), False),    # less than one Q tile
-    (torch.bfloat16, 128, 64, 256, True, (-1, -1), False),     # Dv != D
+    (torch.bfloat16, 128, 64, 256, True, (-1, -1), False),     # Dv != D off the table
+    (torch.bfloat16, 192, 128, 256, True, (-1, -1), True),     # latent attention's training dims
+    (torch.bfloat16, 192, 192, 256, True, (-1, -1), False),
+    (torch.bfloat16, 256, 256, 256, True, (-1, -1), True),     # Gemma's head dim
+    (torch.bfloat16, 256, 256, 256, True, (4095, 0), False),   # its window layers: the portable kernel
     (torch.float32, 128, 128, 256, True, (-1, -1), False),
-    (torch.bfloat16, 64, 64, dispatch.SM90_FORWARD[64], True, (-1, -1), True),
-    (torch.bfloat16, 64, 64, dispatch.SM90_FORWARD[64] - 1, True, (-1, -1), False),  # below D 64's least length
+    (torch.bfloat16, 64, 64, dispatch.SM90_FORWARD[64, 64], True, (-1, -1), True),
+    (torch.bfloat16, 64, 64, dispatch.SM90_FORWARD[64, 64] - 1, True, (-1, -1), False),  # below D 64's least length
     (torch.bfloat16, 64, 64, sm90_forward.block_m(64), False, (-1, -1), True),  # dense full attention walks from one tile
     (torch.bfloat16, 64, 64, sm90_forward.block_m(64) - 1, False, (-1, -1), False),  # (of 192 rows: three consumers)
     (torch.bfloat16, 96, 96, 8192, True, (-1, -1), False),     # a head dim off the table
-    (FP8, 128, 128, 256, True, (-1, -1), 128 in dispatch.SM90_FORWARD_FP8),
-    (FP8, 64, 64, 256, False, (-1, -1), 64 in dispatch.SM90_FORWARD_FP8),
+    (FP8, 128, 128, 256, True, (-1, -1), (128, 128) in dispatch.SM90_FORWARD_FP8),
+    (FP8, 64, 64, 256, False, (-1, -1), (64, 64) in dispatch.SM90_FORWARD_FP8),
     (FP8, 128, 128, 256, True, (127, 0), False),         # an FP8 window layer
     (FP8, 128, 64, 256, True, (-1, -1), False),
 ])
@@ -49,8 +53,8 @@ def test_serves(dtype, D, Dv, nq, causal, window, expected):
 
 @pytest.mark.parametrize("nq,causal,expected", [
     (128, False, False),                        # packed full attention keeps the per-item grid's table
-    (dispatch.SM90_FORWARD[64], False, True),
-    (dispatch.SM90_FORWARD[64] - 1, True, False),    # causal: the same table, packed or not
+    (dispatch.SM90_FORWARD[64, 64], False, True),
+    (dispatch.SM90_FORWARD[64, 64] - 1, True, False),    # causal: the same table, packed or not
 ])
 def test_serves_packed(nq, causal, expected):
     pattern = Pattern.make(nq, nq, causal=causal)
@@ -80,8 +84,9 @@ def test_sitting_out_says_why(monkeypatch):
 
 
 def _oracle(q, k, v, sinks, pattern, dtype):
-    return naive_attention(q.to(dtype), k.to(dtype), v.to(dtype), causal=pattern.right == 0,
-                           sinks=None if sinks is None else sinks.to(dtype), scale=q.shape[-1] ** -0.5)
+    return naive_attention(q.to(dtype), k.to(dtype), v.to(dtype), window=(pattern.left, pattern.right),
+                           sink_tokens=pattern.sink_tokens, sinks=None if sinks is None else sinks.to(dtype),
+                           scale=q.shape[-1] ** -0.5)
 
 
 def _check(out, lse, q, k, v, sinks, pattern, low=None):
@@ -97,24 +102,48 @@ def _check(out, lse, q, k, v, sinks, pattern, low=None):
     assert torch.equal(lse[:, :, empty], expected[:, :, empty])
 
 
+HEAD_DIMS = sorted(sm90_forward.TILES)  # every (D, Dv) the kernel has tiles for
+
+
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D,Dv", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("Nq,Nk", [(128, 128), (1000, 1000), (777, 300), (300, 777), (129, 4097)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("with_sinks", [False, True])
-def test_gpu_both_kernels_within_bar(D, dtype, Nq, Nk, causal, with_sinks):
+def test_gpu_both_kernels_within_bar(D, Dv, dtype, Nq, Nk, causal, with_sinks):
     """Every pattern the Hopper kernel accepts (full, causal; learned sinks; GQA; (B, N, H, D) strides) at
-    odd lengths: the Hopper kernel and the portable one (``config={}`` keeps it) each within the bar."""
-    q, k, v = make_qkv(2, 8, 2, Nq, Nk, D, dtype, device="cuda", layout="bnhd")
+    odd lengths and every head-dim pair it has tiles for (D 192 in two parts, D 256 in blocks of 64 keys): the
+    Hopper kernel and the portable one (``config={}`` keeps it) each within the bar."""
+    q, k, _ = make_qkv(2, 8, 2, Nq, Nk, D, dtype, device="cuda", layout="bnhd")
+    v = make_qkv(2, 8, 2, Nq, Nk, Dv, dtype, device="cuda", layout="bnhd")[2]
     sinks = torch.randn(8, device="cuda") if with_sinks else None
     pattern = Pattern.make(Nq, Nk, causal=causal)
-    out = torch.full_like(q, float("nan"))
+    out = q.new_full((*q.shape[:3], Dv), float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device="cuda")
     sm90_forward.forward(q, k, v, sinks, out, lse, pattern, D ** -0.5)
     _check(out, lse, q, k, v, sinks, pattern)
     _check(*attention_forward(q, k, v, sinks, pattern, D ** -0.5, config={}), q, k, v, sinks, pattern)
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("D,Dv", HEAD_DIMS)
+@pytest.mark.parametrize("Nq,Nk", [(1000, 1000), (777, 300), (129, 4097)])
+@pytest.mark.parametrize("window,sink_tokens", [((33, 0), 0), ((300, 0), 4), ((1023, 0), 0)])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_gpu_windows_within_bar(D, Dv, Nq, Nk, window, sink_tokens, with_sinks):
+    """Causal windows (narrower than a block, wider than a tile, with sink tokens) on the Hopper kernel at every
+    head-dim pair: within the bar."""
+    q, k, _ = make_qkv(2, 8, 2, Nq, Nk, D, torch.bfloat16, device="cuda", layout="bnhd")
+    v = make_qkv(2, 8, 2, Nq, Nk, Dv, torch.bfloat16, device="cuda", layout="bnhd")[2]
+    sinks = torch.randn(8, device="cuda") if with_sinks else None
+    pattern = Pattern.make(Nq, Nk, window=window, sink_tokens=sink_tokens)
+    out = q.new_full((*q.shape[:3], Dv), float("nan"))
+    lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+    sm90_forward.forward(q, k, v, sinks, out, lse, pattern, D ** -0.5)
+    _check(out, lse, q, k, v, sinks, pattern)
 
 
 @pytest.mark.gpu
@@ -141,11 +170,10 @@ def test_gpu_walk_over_many_rounds(D, Nq, Nk, with_sinks, programs, monkeypatch)
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D,Dv,fp8", [(D, Dv, False) for D, Dv in HEAD_DIMS] + [(64, 64, True), (128, 128, True)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("with_sinks", [False, True])
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_gpu_packed_sequences(D, causal, with_sinks, fp8):
+def test_gpu_packed_sequences(D, Dv, fp8, causal, with_sinks):
     """Packed sequences of odd, unequal lengths (a longest one of 300 rows, one shorter than a tile, Nq != Nk
     both ways), bfloat16 or FP8 (descales per sequence and kv head): each sequence within the bar against its
     own oracle, for both kernels; no row of one sequence written by another's tile (the output starts as
@@ -154,7 +182,7 @@ def test_gpu_packed_sequences(D, causal, with_sinks, fp8):
     cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     q = torch.randn(sum(lengths_q), 8, D, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(sum(lengths_k), 2, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(sum(lengths_k), 2, d, device="cuda", dtype=torch.bfloat16) for d in (D, Dv))
     values, fp8_args, low = (q, k, v), {}, None  # values: what the oracle attends to
     if fp8:
         (q, qd), (k, kd), (v, vd) = (gstar.quantize_fp8(x, cu_seqlens=cu, kv_heads=2)
@@ -166,7 +194,7 @@ def test_gpu_packed_sequences(D, causal, with_sinks, fp8):
     sinks = torch.randn(8, device="cuda") if with_sinks else None
     view = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731 - (1, H, total, D), as ops passes them
     pattern = Pattern.make(max(lengths_q), max(lengths_k), causal=causal)
-    out = torch.full(view(q).shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = torch.full((1, 8, q.shape[0], Dv), float("nan"), device="cuda", dtype=torch.bfloat16)
     lse = torch.full((1, 8, q.shape[0]), float("nan"), device="cuda")
     v_kernel = v.bfloat16() if fp8 else v  # FP8 calls hand the kernel V widened to bfloat16
     sm90_forward.forward(view(q), view(k), view(v_kernel), sinks, out, lse, pattern, D ** -0.5, (cu_q, cu_k), **fp8_args)
@@ -189,7 +217,7 @@ def test_gpu_packed_sequences(D, causal, with_sinks, fp8):
     (128, 1000, False, (127, 0), torch.bfloat16, False),  # window layers: the portable kernel
     (128, 100, True, (-1, -1), torch.bfloat16, False),   # less than one full Q tile
     (64, 1000, True, (-1, -1), torch.bfloat16, False),    # D 64 below its least query length
-    (64, dispatch.SM90_FORWARD[64], True, (-1, -1), torch.bfloat16, True),
+    (64, dispatch.SM90_FORWARD[64, 64], True, (-1, -1), torch.bfloat16, True),
     (64, 1000, False, (-1, -1), torch.bfloat16, True),    # dense full attention at D 64: the walk
     (128, 1000, True, (-1, -1), torch.float32, False),
 ])
@@ -248,6 +276,6 @@ def test_gpu_fp8_dispatch(D, out_dtype, monkeypatch):
     qkv, descale, deq = _fp8(*make_qkv(1, 4, 2, 1000, 1000, D, torch.float32, device="cuda"))
     pattern = Pattern.make(1000, 1000, causal=True)
     out, lse = attention_forward(*qkv, None, pattern, D ** -0.5, descale=descale, out_dtype=out_dtype)
-    assert bool(calls) == (D in dispatch.SM90_FORWARD_FP8 and dispatch.VERIFIED) and out.dtype == out_dtype
+    assert bool(calls) == ((D, D) in dispatch.SM90_FORWARD_FP8 and dispatch.VERIFIED) and out.dtype == out_dtype
     _check(out.float(), lse, *deq, None, pattern, low=torch.bfloat16)
 

@@ -63,7 +63,8 @@ class Pattern:
     positions, both bounds of which are left and right bounds like the window's).
 
     Build it with :meth:`Pattern.make`, which applies the normalisations of docs/design.md section 1
-    (``causal`` forces ``right = 0``; sink tokens only matter under a left bound).
+    (``causal`` forces ``right = 0``; a left bound of ``Nk - 1`` or more hides no key and is dropped, so a window as
+    wide as the keys runs as causal attention; sink tokens only matter under a left bound).
     """
 
     nq: int
@@ -79,6 +80,8 @@ class Pattern:
         left, right = window
         if causal:
             right = 0
+        if left >= nk - 1:  # the latest query, p = Nk - 1, sees key 0: the bound hides no key of any row
+            left = -1
         if left < 0 and chunk == 0:
             sink_tokens = 0  # without a left bound every key below p(i) + right is visible anyway
         return Pattern(nq, nk, left, right, min(sink_tokens, nk), chunk)

@@ -41,16 +41,17 @@ RELEASES = ("3.6.", "3.9.")
 VERIFIED = triton.__version__.startswith(RELEASES)
 TUNED = triton.__version__.startswith(RELEASES[0])
 
-# The sm_90 forward: head dim (D = Dv, 16-bit) -> the least query length (the longest sequence's, when packed)
-# from which its per-item grid beats the portable kernel (dense full attention walks persistently and takes it
-# from one tile: SM90_FORWARD_WALKS). At D = 64 the portable kernel's two resident programs per SM hide its
+# The sm_90 forward: head dims (D, Dv), 16-bit -> the least query length (the longest sequence's, when packed)
+# from which its per-item grid beats the portable kernel (dense full attention that walks persistently takes it
+# from one tile: sm90.forward.walks). At D = 64 the portable kernel's two resident programs per SM hide its
 # softmax as well below 8k queries.
-SM90_FORWARD = {128: sm90_forward.block_m(128), 64: 8192}
-SM90_FORWARD_FP8 = {128: sm90_forward.block_m(128)}  # FP8 q, k, v (P V in bfloat16) against the portable FP8 path
+SM90_FORWARD = {(128, 128): sm90_forward.block_m(128), (64, 64): 8192, (192, 128): sm90_forward.block_m(192, 128),
+                (256, 256): sm90_forward.block_m(256)}
+SM90_FORWARD_FP8 = {(128, 128): sm90_forward.block_m(128)}  # FP8 q, k, v (P V in bfloat16) against portable FP8
 # The sm_90 fused backward: head dim (D = Dv, 16-bit) -> (the least GQA group, full attention too). At D = 64 a
 # program's walk over a large group shares its K and V; smaller groups and full attention lose to the portable
 # kernels, which fit two programs per SM there.
-SM90_BACKWARD = {128: (1, True), 64: (8, False)}
+SM90_BACKWARD = {(128, 128): (1, True), (64, 64): (8, False)}
 # The sm_90 decode kernel (FP8 caches, D = Dv): its head dims (at 128 it spills) and the least keys a full cache
 # shows the queries, below which the merge of its many splits outweighs the walk.
 SM90_DECODE = (64,)
@@ -77,10 +78,11 @@ class Call(NamedTuple):
 
 
 def _full_or_causal(call: Call, head_dims) -> bool:
-    """The calls both sm_90 training kernels are built for: 16-bit, D = Dv in ``head_dims``, full or causal
-    attention (no left bound: the window layers stay on the portable kernels, which beat every peer there)."""
-    return (call.dtype in (torch.bfloat16, torch.float16) and call.head_dim in head_dims
-            and call.value_dim == call.head_dim and call.pattern.left < 0 and call.pattern.right in (-1, 0))
+    """The calls both sm_90 training kernels are built for: 16-bit, head dims ``(D, Dv)`` in ``head_dims``, full
+    or causal attention (no left bound: the window layers stay on the portable kernels, which beat every peer
+    there)."""
+    return (call.dtype in (torch.bfloat16, torch.float16) and (call.head_dim, call.value_dim) in head_dims
+            and call.pattern.left < 0 and call.pattern.right in (-1, 0))
 
 
 def serves_sm90(call: Call) -> bool:
@@ -95,10 +97,12 @@ def serves_sm90(call: Call) -> bool:
         rule = call._replace(dtype=torch.bfloat16) if fp8 else call  # the 16-bit rule, FP8's table
         if not _full_or_causal(rule, table):
             return False
-        least = sm90_forward.block_m(call.head_dim)  # one full Q tile; a per-item grid the table's length too
-        return p.nq >= (least if sm90_forward.walks(call.dtype, p, call.packed) else max(least, table[call.head_dim]))
+        dims = call.head_dim, call.value_dim
+        least = sm90_forward.block_m(*dims)  # one full Q tile; a per-item grid the table's length too
+        walks = sm90_forward.walks(call.dtype, p, call.packed, *dims)
+        return p.nq >= (least if walks else max(least, table[dims]))
     if call.pass_ == "backward":
-        least_group, full = SM90_BACKWARD.get(call.head_dim, (0, False))
+        least_group, full = SM90_BACKWARD.get((call.head_dim, call.value_dim), (0, False))
         return (not call.packed and _full_or_causal(call, SM90_BACKWARD) and call.group >= least_group
                 and (full or p.right == 0))
     return (not call.packed and call.kv_dtype == FP8 and call.dtype != torch.float32

@@ -25,6 +25,8 @@ once before the launch: P rounded to FP8's 3 mantissa bits misses the accuracy b
 on causal rows with few keys, which bfloat16's 8 bits keep.
 """
 
+from typing import NamedTuple
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -44,16 +46,34 @@ from .. import card
 from .ring import descriptor, operand, ring_barriers, ring_load, tma_load, tma_store
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup: wgmma's M
-BLOCK_N = gl.constexpr(128)  # keys per block
 STAGES = gl.constexpr(2)  # K and V slots each: 2 x 2 x 32 KB at D = 128, beside 2 x 32 KB of Q
-# head dim -> consumer warpgroups per program. At D = 64 the softmax sets a step's pace, and a third consumer
-# gives each warpgroup's softmax two others' products to hide under. At D = 128 three do not fit the registers.
-CONSUMERS = {64: 3, 128: 2}
+SHARED_BYTES = 232448  # an sm_90 program's shared memory (227 KB)
 
 
-def block_m(head_dim: int) -> int:
-    """Query rows per program (a Q tile) at this head dim: 64 per consumer warpgroup."""
-    return ROWS.value * CONSUMERS[head_dim]
+class Tiles(NamedTuple):
+    """A head-dim pair's program: ``consumers`` warpgroups (64 query rows each) and ``block_n`` keys a block."""
+    consumers: int
+    block_n: int
+
+
+# (D, Dv) -> tiles. At D = 64 the softmax sets a step's pace, and a third consumer gives each warpgroup's
+# softmax two others' products to hide under; at D = 128 three do not fit the registers. At D = 256 a block of
+# 64 keys keeps two K and two V slots beside Q in shared memory, and each consumer's (64, 256) float32
+# accumulator takes half its registers. D = 192 is held in two parts (:func:`parts`), V and the output in 128 lanes.
+TILES = {(64, 64): Tiles(3, 128), (128, 128): Tiles(2, 128), (192, 128): Tiles(2, 128), (256, 256): Tiles(2, 64)}
+
+
+def parts(head_dim: int) -> tuple[int, int]:
+    """A head dim as ``(head, tail)`` lanes of Q and K tiles whose widths are powers of two, as the copy engine's
+    tiles must be: 192 = 128 + 64 (two products into one score tile, no lane of zeros); a power of two is one
+    part (tail 0)."""
+    head = 1 << (head_dim.bit_length() - 1)
+    return head, head_dim - head
+
+
+def block_m(head_dim: int, value_dim: int | None = None) -> int:
+    """Query rows per program (a Q tile) at these head dims: 64 per consumer warpgroup."""
+    return ROWS.value * TILES[head_dim, value_dim or head_dim].consumers
 
 
 def _registers(consumers: int) -> tuple[int, int]:
@@ -65,13 +85,16 @@ def _registers(consumers: int) -> tuple[int, int]:
 @aggregate
 class ForwardSmem:
     """A program's shared memory, by name. Tiles: ``q`` (a 64-row part per consumer for each Q slot), ``k``,
-    ``v`` (rings of STAGES blocks of BLOCK_N x D), ``o`` (the output's parts: ``q`` itself, or FP8's one set of
-    its own). Barriers: ``q_ready``, ``q_empty`` per Q slot; ``k_ready``, ``k_empty``, ``v_ready``, ``v_empty``
-    per ring slot (:func:`ring_barriers`)."""
+    ``v`` (rings of STAGES blocks of BLOCK_N x D or Dv), ``o`` (the output's parts: ``q`` itself, or FP8's one
+    set of its own); ``q_tail``, ``k_tail``: the lanes of a head dim held in two parts past the first part's
+    (:func:`parts`; None for one part), slots beside ``q``'s and ``k``'s. Barriers: ``q_ready``, ``q_empty`` per
+    Q slot; ``k_ready``, ``k_empty``, ``v_ready``, ``v_empty`` per ring slot (:func:`ring_barriers`)."""
     q: gl.shared_memory_descriptor
     k: gl.shared_memory_descriptor
     v: gl.shared_memory_descriptor
     o: gl.shared_memory_descriptor
+    q_tail: base_value
+    k_tail: base_value
     q_ready: gl.shared_memory_descriptor
     q_empty: gl.shared_memory_descriptor
     k_ready: gl.shared_memory_descriptor
@@ -80,8 +103,9 @@ class ForwardSmem:
     v_empty: gl.shared_memory_descriptor
 
     @constexpr_function
-    def __init__(self, q, k, v, o, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty):
+    def __init__(self, q, k, v, o, q_tail, k_tail, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty):
         self.q, self.k, self.v, self.o = q, k, v, o
+        self.q_tail, self.k_tail = (gl.constexpr(None) if t is None else t for t in (q_tail, k_tail))
         self.q_ready, self.q_empty = q_ready, q_empty
         self.k_ready, self.k_empty, self.v_ready, self.v_empty = k_ready, k_empty, v_ready, v_empty
 
@@ -132,16 +156,15 @@ class Items:
 
 @aggregate
 class Flags:
-    """The constants a warp's work items take: the pattern's :class:`Mask` ``MASK``, and a consumer's
-    ``HEAD_DIM`` and ``part`` (which 64 rows of each tile it owns; the producer's default). Fields of an
-    aggregate stay constants, where a tuple of values would make them runtime values."""
+    """The constants a warp's work items take: the pattern's :class:`Mask` ``MASK``, and a consumer's ``part``
+    (which 64 rows of each tile it owns; the producer's default). Fields of an aggregate stay constants, where a
+    tuple of values would make them runtime values."""
     MASK: gl.constexpr
-    HEAD_DIM: gl.constexpr
     part: gl.constexpr
 
     @constexpr_function
-    def __init__(self, MASK, HEAD_DIM=0, part=0):
-        self.MASK, self.HEAD_DIM, self.part = gl.constexpr(MASK), gl.constexpr(HEAD_DIM), gl.constexpr(part)
+    def __init__(self, MASK, part=0):
+        self.MASK, self.part = gl.constexpr(MASK), gl.constexpr(part)
 
 
 @gluon.jit
@@ -194,23 +217,30 @@ def _produce_item(item, c, t, args, flags):
     """Work item t (a :class:`WorkItem`) whose step 0 is the program's step ``c``: its Q into
     slot ``t % slots`` of the Q ring once free, then K and V of its every step into slot ``step % STAGES`` of
     theirs; returns its step count. args, flags: as :func:`_load_warp` passes them."""
-    q_desc, k_desc, v_desc, shared, group, pattern_bounds = args
+    q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, shared, group, pattern_bounds = args
     left, right, sink_tokens = pattern_bounds
     batch, h, row0 = item.batch, item.h, item.row0
     slot = t % shared.q_ready.shape[0]
     PARTS: gl.constexpr = shared.q.shape[0] // shared.q_ready.shape[0]
+    BLOCK_N: gl.constexpr = shared.k.shape[3]
+    HEAD: gl.constexpr = shared.q.shape[4]  # the first part's lanes; a tail's start from there
     mbarrier.wait(shared.q_empty.index(slot), ((t // shared.q_ready.shape[0]) & 1) ^ 1)
-    mbarrier.expect(shared.q_ready.index(slot), PARTS * q_desc.block_type.nbytes)
+    q_bytes: gl.constexpr = q_desc.block_type.nbytes + (0 if q_tail_desc is None else q_tail_desc.block_type.nbytes)
+    mbarrier.expect(shared.q_ready.index(slot), PARTS * q_bytes)
     q_row = item.q_start + row0
     for part in gl.static_range(PARTS):
         tma_load(q_desc, [batch, h, q_row + part * ROWS, 0], shared.q_ready.index(slot),
                  shared.q.index(PARTS * slot + part))
+        if q_tail_desc is not None:
+            tma_load(q_tail_desc, [batch, h, q_row + part * ROWS, HEAD], shared.q_ready.index(slot),
+                     shared.q_tail.index(PARTS * slot + part))
     seq_rule = rule(item.Nq, item.Nk, left, right, sink_tokens, 0, None, flags.MASK)
     blocks = kv_blocks(seq_rule, row0, PARTS * ROWS, BLOCK_N)
     n = steps(blocks)[2]
     for i in range(n):
         start = item.k_start + block_at(blocks, i) * BLOCK_N
-        ring_load(k_desc, [batch, h // group, start, 0], shared.k, shared.k_ready, shared.k_empty, c + i)
+        ring_load(k_desc, [batch, h // group, start, 0], shared.k, shared.k_ready, shared.k_empty, c + i,
+                  k_tail_desc, [batch, h // group, start, HEAD], shared.k_tail)
         ring_load(v_desc, [batch, h // group, start, 0], shared.v, shared.v_ready, shared.v_empty, c + i)
     return n
 
@@ -237,20 +267,38 @@ def _each_item(item_fn: gl.constexpr, args, flags, items, PERSISTENT: gl.constex
 
 
 @gluon.jit
-def _load_warp(q_desc, k_desc, v_desc, shared, items, group, pattern_bounds, MASK: gl.constexpr,
-               PERSISTENT: gl.constexpr):
+def _load_warp(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, shared, items, group, pattern_bounds,
+               MASK: gl.constexpr, PERSISTENT: gl.constexpr):
     """One warp: every work item of the program (:func:`_produce_item`). pattern_bounds: ``(left, right,
-    sink_tokens)``."""
-    _each_item(_produce_item, (q_desc, k_desc, v_desc, shared, group, pattern_bounds), Flags(MASK=MASK), items,
-               PERSISTENT)
+    sink_tokens)``; q_tail_desc, k_tail_desc: the second parts of Q and K tiles, or None."""
+    _each_item(_produce_item, (q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, shared, group, pattern_bounds),
+               Flags(MASK=MASK), items, PERSISTENT)
 
 
 @gluon.jit
 def _issue_scores(q, shared, i, s_zero):
-    """Start step i's ``Q K^T`` (64, BLOCK_N) once its K has landed; returns the product in flight."""
+    """Start step i's ``Q K^T`` (64, BLOCK_N) once its K has landed; returns the product in flight. ``q``: the
+    consumer's Q part, a pair (head, tail) of tiles when the head dim is held in two (:func:`_q_tiles`): two
+    products into one score tile."""
     mbarrier.wait(shared.k_ready.index(i % STAGES), (i // STAGES) & 1)
-    k = shared.k.index(i % STAGES).reshape([shared.k.shape[3], shared.k.shape[4]])  # (BLOCK_N, D)
-    return warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    k = shared.k.index(i % STAGES).reshape([shared.k.shape[3], shared.k.shape[4]])  # (BLOCK_N, D or head)
+    if shared.q_tail is None:
+        s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    else:
+        k_tail = shared.k_tail.index(i % STAGES).reshape([shared.k_tail.shape[3], shared.k_tail.shape[4]])
+        s = warpgroup_mma(q[0], k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q[1], k_tail.permute((1, 0)), s, is_async=True)
+    return s
+
+
+@gluon.jit
+def _q_tiles(shared, index):
+    """Q part ``index`` of ``shared.q`` as the (64, D) tile Q K^T reads, or (head dim held in two) the pair of
+    its (64, head) and (64, tail) tiles."""
+    q = shared.q.index(index).reshape([ROWS, shared.q.shape[4]])
+    if shared.q_tail is not None:
+        q = (q, shared.q_tail.index(index).reshape([ROWS, shared.q_tail.shape[4]]))
+    return q
 
 
 @gluon.jit
@@ -288,6 +336,7 @@ def _step_run(q, shared, seq_rule, blocks, c, lo, hi, acc, m_i, l_i, p, rows, s_
     runs, wait for it, free V_{i-1}, rescale the accumulator."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s_zero.type.layout)
     acc_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    BLOCK_N: gl.constexpr = shared.k.shape[3]
     for i in range(lo, hi):
         s = _issue_scores(q, shared, c + i, s_zero)
         acc = _issue_values(operand(p, acc, shared.v.dtype), acc, shared, c + i - 1)
@@ -322,14 +371,15 @@ def _consume_item(item, c, t, args, flags):
     (o_desc, Out, Lse, Sinks, QDescale, KDescale, VDescale, shared, group, pattern_bounds, qk_scale, stride_ds,
      stride_o, stride_lse) = args
     left, right, sink_tokens = pattern_bounds
-    HEAD_DIM: gl.constexpr = flags.HEAD_DIM
+    VALUE_DIM: gl.constexpr = shared.v.shape[4]
     part: gl.constexpr = flags.part
     batch, b, h, row0, q_start, Nq, Nk = item.batch, item.b, item.h, item.row0, item.q_start, item.Nq, item.Nk
+    BLOCK_N: gl.constexpr = shared.k.shape[3]
     K_STEP: gl.constexpr = 256 // shared.q.dtype.primitive_bitwidth  # what one wgmma reduces: 32 bytes
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, K_STEP])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+                                                       instr_shape=[16, VALUE_DIM, 16])
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     MAY_BE_EMPTY: gl.constexpr = Sinks is None
 
@@ -339,7 +389,7 @@ def _consume_item(item, c, t, args, flags):
     seq_rule = rule(Nq, Nk, left, right, sink_tokens, 0, None, flags.MASK)
     blocks = kv_blocks(seq_rule, row0, PARTS * ROWS, BLOCK_N)
     lead_end, full_end, n = steps(blocks)
-    q = shared.q.index(PARTS * (t % Q_SLOTS) + part).reshape([ROWS, HEAD_DIM])
+    q = _q_tiles(shared, PARTS * (t % Q_SLOTS) + part)
     rows = row0 + part * ROWS + gl.arange(0, ROWS, layout=row_layout)  # (64,) query positions
     if Sinks is not None:  # exp2(m) * l = exp(sink): the sink starts the sum, with no value to carry
         m_i = sink_max(Sinks, h + rows * 0)
@@ -347,7 +397,7 @@ def _consume_item(item, c, t, args, flags):
     else:
         m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
         l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_layout)
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)  # (64, D)
+    acc = gl.zeros([ROWS, VALUE_DIM], gl.float32, layout=o_layout)  # (64, Dv)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)  # (64, BLOCK_N)
     mbarrier.wait(shared.q_ready.index(t % Q_SLOTS), (t // Q_SLOTS) & 1)
     if n > 0:
@@ -380,11 +430,11 @@ def _consume_item(item, c, t, args, flags):
     if Out is None:
         O_SLOTS: gl.constexpr = shared.o.shape[0] // PARTS  # output parts: Q's ring, or FP8's one set
         o_slot = shared.o.index(PARTS * (t % O_SLOTS) + part)
-        o_slot.reshape([ROWS, HEAD_DIM]).store(out.to(o_desc.dtype))
+        o_slot.reshape([ROWS, VALUE_DIM]).store(out.to(o_desc.dtype))
         fence_async_shared()
         tma_store(o_desc, [batch, h, q_start + row0 + part * ROWS, 0], o_slot)
     else:
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # (D,)
+        cols = gl.arange(0, VALUE_DIM, layout=gl.SliceLayout(0, o_layout))  # (Dv,)
         offsets = h * stride_o[0] + (q_start + rows).to(gl.int64) * stride_o[1]  # (64,)
         gl.store(Out + offsets[:, None] + cols[None, :], out.to(Out.dtype.element_ty), mask=(rows < Nq)[:, None])
     return n
@@ -394,24 +444,26 @@ def _consume_item(item, c, t, args, flags):
 def _consumer_warpgroup(args, items, flags, part: gl.constexpr, PERSISTENT: gl.constexpr):
     """One warpgroup (``part``: which 64 rows of each tile it owns): every work item of the program
     (:func:`_consume_item`, which takes ``args``; flags: a :class:`Flags` without its ``part``)."""
-    _each_item(_consume_item, args, Flags(MASK=flags.MASK, HEAD_DIM=flags.HEAD_DIM, part=part), items, PERSISTENT)
+    _each_item(_consume_item, args, Flags(MASK=flags.MASK, part=part), items, PERSISTENT)
     tma.store_wait(0)  # the last output read out of shared memory before the program ends
 
 
 # lengths and window bounds change from call to call and only enter loop bounds and masks (as in the
 # portable kernel): no recompilation for new lengths
 @gluon.jit(do_not_specialize=["Nq", "Nk", "Hq", "n_tiles", "seqs", "left", "right", "sink_tokens"])
-def _forward_sm90(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sinks, QDescale, KDescale, VDescale, CuQ, CuK, Nq, Nk,
-                  Hq, group, n_tiles, seqs, left, right, sink_tokens, qk_scale, stride_ds, stride_o, stride_lse,
-                  HEAD_DIM: gl.constexpr, MASK: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr,
+def _forward_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, o_desc, Out, Lse, Sinks, QDescale, KDescale,
+                  VDescale, CuQ, CuK, Nq, Nk, Hq, group, n_tiles, seqs, left, right, sink_tokens, qk_scale, stride_ds,
+                  stride_o, stride_lse, MASK: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr,
                   REGS: gl.constexpr):
     """Grid ``(P,)``, each program walking the work items ``(tile, head, sequence)`` of :func:`_work_item`
     (``n_tiles`` tiles of 64 query rows per consumer, ``Hq`` heads, ``seqs`` sequences): PERSISTENT, one program
     per SM; else one per item (P = their count). CONSUMERS: the consumer warpgroups, REGS the registers of each
     of their threads.
 
-    Dense (CuQ, CuK, Out None): q_desc, o_desc: descriptors over (B, Hq, Nq, D) moving (1, 1, 64, D) tiles;
-    k_desc, v_desc: over (B, Hkv, Nk, D) moving (1, 1, BLOCK_N, D); Lse: (B, Hq, Nq) float32, unit row stride;
+    Dense (CuQ, CuK, Out None): q_desc, o_desc: descriptors over (B, Hq, Nq, D or Dv) moving (1, 1, 64, D or Dv)
+    tiles; k_desc, v_desc: over (B, Hkv, Nk, D or Dv) moving (1, 1, BLOCK_N, D or Dv) (BLOCK_N: :data:`TILES`);
+    a head dim held in two parts (:func:`parts`): q_desc and k_desc move the first part's lanes, q_tail_desc and
+    k_tail_desc the rest (else None); Lse: (B, Hq, Nq) float32, unit row stride;
     n_tiles = cdiv(Nq, 64 * CONSUMERS). Packed (CuQ, CuK: (B + 1,) int32): sequence s has rows
     ``CuQ[s] .. CuQ[s + 1]`` of the (1, Hq, total_q, D) view under q_desc and keys ``CuK[s] .. CuK[s + 1]``
     of k_desc's and v_desc's (1, Hkv, total_k, D) views; Out: that (1, Hq, total_q, D) view (o_desc
@@ -427,41 +479,59 @@ def _forward_sm90(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sinks, QDescale, KDe
     # Q slots (a 64-row part per consumer): a persistent program's next item lands while this one's last steps run
     Q_SLOTS: gl.constexpr = 2 if PERSISTENT else 1
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS * Q_SLOTS] + q_desc.block_type.shape, q_desc.layout)
-    o_smem = q_smem  # the output leaves through Q's slots, or (FP8 queries) slots of its own
-    if q_desc.dtype != o_desc.dtype:
+    o_smem = q_smem  # the output leaves through Q's (first part's) slots, or (FP8 queries) slots of its own
+    if q_desc.dtype != o_desc.dtype or q_desc.block_type.shape[3] != o_desc.block_type.shape[3]:
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
+    q_tail_smem = None
+    k_tail_smem = None
+    if q_tail_desc is not None:
+        q_tail_smem = gl.allocate_shared_memory(q_tail_desc.dtype, [CONSUMERS * Q_SLOTS] + q_tail_desc.block_type.shape,
+                                                q_tail_desc.layout)
+        k_tail_smem = gl.allocate_shared_memory(k_tail_desc.dtype, [STAGES] + k_tail_desc.block_type.shape,
+                                                k_tail_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_ready, q_empty = ring_barriers(Q_SLOTS, CONSUMERS)
     k_ready, k_empty = ring_barriers(STAGES, CONSUMERS)
     v_ready, v_empty = ring_barriers(STAGES, CONSUMERS)
 
-    shared = ForwardSmem(q=q_smem, k=k_smem, v=v_smem, o=o_smem, q_ready=q_ready, q_empty=q_empty, k_ready=k_ready,
-                    k_empty=k_empty, v_ready=v_ready, v_empty=v_empty)
+    shared = ForwardSmem(q=q_smem, k=k_smem, v=v_smem, o=o_smem, q_tail=q_tail_smem, k_tail=k_tail_smem,
+                         q_ready=q_ready, q_empty=q_empty, k_ready=k_ready, k_empty=k_empty, v_ready=v_ready,
+                         v_empty=v_empty)
     items = Items(CuQ=CuQ, CuK=CuK, Nq=Nq, Nk=Nk, Hq=Hq, n_tiles=n_tiles, seqs=seqs, BLOCK_M=CONSUMERS * ROWS)
     pattern_bounds = (left, right, sink_tokens)
     args = (o_desc, Out, Lse, Sinks, QDescale, KDescale, VDescale, shared, group, pattern_bounds, qk_scale, stride_ds,
             stride_o, stride_lse)
-    flags = Flags(MASK=MASK, HEAD_DIM=HEAD_DIM)
+    flags = Flags(MASK=MASK)
     # the default partition (this program's 4 warps) and one or two more of 4 warps consume; a 1-warp partition
     # produces, with 24 registers a thread; REGS for each consumer (:func:`_registers`)
     if CONSUMERS == 3:
         gl.warp_specialize([(_consumer_warpgroup, (args, items, flags, 0, PERSISTENT)),
                             (_consumer_warpgroup, (args, items, flags, 1, PERSISTENT)),
                             (_consumer_warpgroup, (args, items, flags, 2, PERSISTENT)),
-                            (_load_warp, (q_desc, k_desc, v_desc, shared, items, group, pattern_bounds, MASK,
-                                          PERSISTENT))], [4, 4, 1], [REGS, REGS, 24])
+                            (_load_warp, (q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, shared, items, group,
+                                          pattern_bounds, MASK, PERSISTENT))], [4, 4, 1], [REGS, REGS, 24])
     else:
         gl.warp_specialize([(_consumer_warpgroup, (args, items, flags, 0, PERSISTENT)),
                             (_consumer_warpgroup, (args, items, flags, 1, PERSISTENT)),
-                            (_load_warp, (q_desc, k_desc, v_desc, shared, items, group, pattern_bounds, MASK,
-                                          PERSISTENT))], [4, 1], [REGS, 24])
+                            (_load_warp, (q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, shared, items, group,
+                                          pattern_bounds, MASK, PERSISTENT))], [4, 1], [REGS, 24])
 
 
-def walks(dtype: torch.dtype, pattern: Pattern, packed: bool) -> bool:
+def shared_bytes(head_dim: int, value_dim: int, q_slots: int) -> int:
+    """A 16-bit program's shared memory at these head dims with ``q_slots`` Q slots: Q's parts, the K and V
+    rings (the output leaves through Q's slots; the barriers' few bytes aside)."""
+    tiles = TILES[head_dim, value_dim]
+    q = tiles.consumers * q_slots * ROWS.value * head_dim
+    return 2 * (q + STAGES.value * tiles.block_n * (head_dim + value_dim))
+
+
+def walks(dtype: torch.dtype, pattern: Pattern, packed: bool, head_dim: int, value_dim: int) -> bool:
     """Whether a call's programs walk their items persistently: dense 16-bit full attention, whose items are
-    equal (FP8's walk, its output in a slot of its own, is slower than its per-item grid)."""
-    return tiles_fastest(pattern.left >= 0, pattern.right >= 0) and not packed and dtype != FP8
+    equal, where a second Q slot fits in shared memory (FP8's walk, its output in a slot of its own, is slower
+    than its per-item grid)."""
+    return (tiles_fastest(pattern.left >= 0, pattern.right >= 0) and not packed and dtype != FP8
+            and shared_bytes(head_dim, value_dim, 2) <= SHARED_BYTES)
 
 
 def forward(q, k, v, sinks, out, lse, pattern: Pattern, scale: float, cu_seqlens=None, descale=None) -> None:
@@ -471,14 +541,16 @@ def forward(q, k, v, sinks, out, lse, pattern: Pattern, scale: float, cu_seqlens
     and ``pattern`` carries the longest lengths. sinks: None or (Hq,) float32; scale > 0. FP8 (q, k
     float8_e4m3fn, v widened to bfloat16): ``descale`` the descales of q, k and v, ``out`` 16 or 32 bits."""
     B, Hq, _, D = q.shape
+    Dv = v.shape[3]
     cu_q, cu_k = cu_seqlens or (None, None)
     seqs = B if cu_q is None else cu_q.shape[0] - 1
-    consumers = CONSUMERS[D]
-    tiles = cdiv(pattern.nq, block_m(D))
+    consumers, block_n = TILES[D, Dv]
+    head, tail = parts(D)
+    tiles = cdiv(pattern.nq, block_m(D, Dv))
     items = tiles * Hq * seqs
     # dense full attention: one program per SM (one fits: registers) walking items of equal work, each item's
     # Q and first blocks landing under the last one's steps; causal or packed: a program per item
-    persistent = walks(q.dtype, pattern, cu_q is not None)
+    persistent = walks(q.dtype, pattern, cu_q is not None, D, Dv)
     if persistent:
         grid = (min(items, card.sm_count(str(q.device))), )
     else:
@@ -486,10 +558,11 @@ def forward(q, k, v, sinks, out, lse, pattern: Pattern, scale: float, cu_seqlens
     regs, launch_regs = _registers(consumers)
     window = bounds(pattern)
     _forward_sm90[grid](
-        q_desc=descriptor(q, ROWS.value), k_desc=descriptor(k, BLOCK_N.value), v_desc=descriptor(v, BLOCK_N.value),
-        o_desc=descriptor(out, ROWS.value), Out=None if cu_q is None else out, Lse=lse, Sinks=sinks,
+        q_desc=descriptor(q, ROWS.value, head), k_desc=descriptor(k, block_n, head), v_desc=descriptor(v, block_n),
+        q_tail_desc=descriptor(q, ROWS.value, tail) if tail else None,
+        k_tail_desc=descriptor(k, block_n, tail) if tail else None, o_desc=descriptor(out, ROWS.value), Out=None if cu_q is None else out, Lse=lse, Sinks=sinks,
         **descale_args(descale), CuQ=cu_q, CuK=cu_k, Nq=q.shape[2], Nk=k.shape[2], Hq=Hq, group=Hq // k.shape[1],
         n_tiles=tiles, seqs=seqs, left=max(window["left"], 0), right=max(window["right"], 0),
         sink_tokens=window["sink_tokens"], qk_scale=scale * LOG2E.value, stride_o=(out.stride(1), out.stride(2)),
-        stride_lse=(lse.stride(0), lse.stride(1)), HEAD_DIM=D, MASK=mask(pattern), PERSISTENT=persistent,
+        stride_lse=(lse.stride(0), lse.stride(1)), MASK=mask(pattern), PERSISTENT=persistent,
         CONSUMERS=consumers, REGS=regs, num_warps=4, maxnreg=launch_regs)

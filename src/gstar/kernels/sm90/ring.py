@@ -51,13 +51,19 @@ def ring_barriers(slots: gl.constexpr, consumers: gl.constexpr):
 
 
 @gluon.jit
-def ring_load(desc, coord, ring, ready, empty, i):
+def ring_load(desc, coord, ring, ready, empty, i, tail_desc=None, tail_coord=None, tail=None):
     """Copy the tile at ``coord`` into slot ``i % slots`` of ``ring`` (slots: its first dim) once every consumer
     has freed the slot (a fresh barrier counts as freed: the first wait is on phase 1), completing on the
-    slot's ``ready`` barrier."""
+    slot's ``ready`` barrier. ``tail_desc``: the tile's second part (a head dim held in two,
+    :func:`gstar.kernels.sm90.forward.parts`), from ``tail_coord`` into the same slot of ``tail``, on the same
+    barrier."""
     slots: gl.constexpr = ring.shape[0]
     mbarrier.wait(empty.index(i % slots), ((i // slots) & 1) ^ 1)
-    mbarrier.expect(ready.index(i % slots), desc.block_type.nbytes)
+    if tail_desc is None:
+        mbarrier.expect(ready.index(i % slots), desc.block_type.nbytes)
+    else:
+        mbarrier.expect(ready.index(i % slots), desc.block_type.nbytes + tail_desc.block_type.nbytes)
+        tma_load(tail_desc, tail_coord, ready.index(i % slots), tail.index(i % slots))
     tma_load(desc, coord, ready.index(i % slots), ring.index(i % slots))
 
 
@@ -79,7 +85,8 @@ def _swizzle(rows: int, width: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, width], _GL_ALL[dtype])
 
 
-def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A descriptor over ``t`` (B, H, N, D) moving (1, 1, rows, D) tiles, swizzled for wgmma."""
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[3]],
-                            _swizzle(rows, t.shape[3], t.dtype))
+def descriptor(t: torch.Tensor, rows: int, width: int | None = None) -> TensorDescriptor:
+    """A descriptor over ``t`` (B, H, N, D) moving (1, 1, rows, width) tiles (default: all D lanes), swizzled
+    for wgmma."""
+    width = width or t.shape[3]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, width], _swizzle(rows, width, t.dtype))
