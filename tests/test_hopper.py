@@ -34,7 +34,7 @@ def _serves(dtype, D, Dv, pattern, packed=False):
     (torch.bfloat16, 192, 128, 256, True, (-1, -1), True),     # latent attention's training dims
     (torch.bfloat16, 192, 192, 256, True, (-1, -1), False),
     (torch.bfloat16, 256, 256, 256, True, (-1, -1), True),     # Gemma's head dim
-    (torch.bfloat16, 256, 256, 256, True, (4095, 0), False),   # its window layers: the portable kernel
+    (torch.bfloat16, 256, 256, 256, True, (127, 0), False),    # a narrow window: the portable kernel
     (torch.float32, 128, 128, 256, True, (-1, -1), False),
     (torch.bfloat16, 64, 64, dispatch.SM90_FORWARD[64, 64], True, (-1, -1), True),
     (torch.bfloat16, 64, 64, dispatch.SM90_FORWARD[64, 64] - 1, True, (-1, -1), False),  # below D 64's least length
@@ -49,6 +49,34 @@ def _serves(dtype, D, Dv, pattern, packed=False):
 def test_serves(dtype, D, Dv, nq, causal, window, expected):
     pattern = Pattern.make(nq, 300, causal=causal, window=window)
     assert _serves(dtype, D, Dv, pattern) == expected
+
+
+@pytest.mark.parametrize("D,Dv,window,packed,expected", [
+    (256, 256, (4095, 0), False, True),     # Gemma 2's sliding layers at 8k
+    (256, 256, (1023, 0), False, True),     # Gemma 3's
+    (256, 256, (1022, 0), False, False),    # below the least width
+    (128, 128, (1023, 0), False, True),
+    (128, 128, (255, 0), False, False),
+    (192, 128, (1023, 0), False, True),
+    (64, 64, (4095, 0), False, False),      # D 64's windows: the portable kernel
+    (256, 256, (1023, 0), True, False),     # packed windows: the portable kernel
+    (256, 256, (1023, 5), False, False),    # a right bound past the diagonal
+])
+def test_serves_wide_windows(D, Dv, window, packed, expected):
+    """The forward takes causal windows from dispatch.SM90_FORWARD_WINDOW's width on (a window of 1023 + 1 keys at
+    1024), dense only; the backward never takes a window."""
+    pattern = Pattern.make(8192, 8192, window=window)
+    assert pattern.left == window[0]  # narrower than the keys: still a window
+    assert _serves(torch.bfloat16, D, Dv, pattern, packed=packed) == expected
+    backward = dispatch.Call("backward", torch.bfloat16, torch.bfloat16, D, Dv, pattern, 1)
+    assert not dispatch.serves_sm90(backward)
+
+
+def test_window_wider_than_the_keys_is_causal():
+    """A left bound that hides no key is dropped (Pattern.make), so such a window takes the causal layer's kernel."""
+    pattern = Pattern.make(4096, 4096, window=(4095, 0))
+    assert pattern == Pattern.make(4096, 4096, causal=True)
+    assert _serves(torch.bfloat16, 256, 256, pattern)
 
 
 @pytest.mark.parametrize("nq,causal,expected", [
@@ -91,7 +119,9 @@ def _oracle(q, k, v, sinks, pattern, dtype):
 
 def _check(out, lse, q, k, v, sinks, pattern, low=None):
     """The 2x bar against PyTorch in ``low`` (default: q's dtype), on out and LSE, with a float32 oracle; empty
-    rows exact. FP8: q, k, v are the dequantised inputs (float64) and ``low`` bfloat16."""
+    rows' outputs exact zeros, their LSE -inf or (learned sinks) the sink to a float32 rounding: the kernel
+    carries the sink in base 2, ``sink * log2(e)``, and takes it back to natural log. FP8: q, k, v are the
+    dequantised inputs (float64) and ``low`` bfloat16."""
     ref_out, ref_lse = _oracle(q, k, v, sinks, pattern, torch.float32)
     pt_out, pt_lse = _oracle(q, k, v, sinks, pattern, low or q.dtype)
     for v_ in (verdict("out", out, ref_out, pt_out), verdict("lse", lse, ref_lse, pt_lse)):
@@ -99,7 +129,7 @@ def _check(out, lse, q, k, v, sinks, pattern, low=None):
     empty = ~pattern.mask(q.device).any(dim=-1)  # (Nq,) rows with no key: Nq > Nk under a causal mask
     assert torch.equal(out[:, :, empty], torch.zeros_like(out[:, :, empty]))
     expected = torch.full_like(lse, float("-inf")) if sinks is None else sinks.view(1, -1, 1).expand_as(lse)
-    assert torch.equal(lse[:, :, empty], expected[:, :, empty])
+    torch.testing.assert_close(lse[:, :, empty], expected[:, :, empty], rtol=2 ** -21, atol=0)
 
 
 HEAD_DIMS = sorted(sm90_forward.TILES)  # every (D, Dv) the kernel has tiles for

@@ -78,6 +78,19 @@ def test_normalisation():
     assert torch.equal(p.mask().int(), expected)
 
 
+def test_left_bound_past_every_key_is_dropped():
+    """A left bound of Nk - 1 or more hides no key: Pattern.make drops it (and sink tokens with it, when no chunk
+    needs them), and the rule of the pattern as given, built without normalising, sees the same keys."""
+    for (nq, nk), right, s, chunk in itertools.product([(8, 8), (3, 9), (9, 3), (1, 5)], (-1, 0, 2), (0, 2), (0, 3)):
+        for left in (nk - 2, nk - 1, nk, nk + 40):
+            if left < 0:
+                continue
+            made = Pattern.make(nq, nk, window=(left, right), sink_tokens=s, chunk=chunk)
+            raw = Pattern(nq, nk, left, right, min(s, nk), chunk)
+            assert torch.equal(made.mask(), raw.mask()), (nq, nk, left, right, s, chunk)
+            assert (made.left < 0) == (left >= nk - 1)
+
+
 def test_chunk_rule():
     """Llama 4's chunks (a query sees the keys of its own chunk of positions, counted from key 0), with causality,
     a window and sink tokens, drawn: Nq = 6, Nk = 8 (p(i) = i + 2), chunk 3, causal, one sink token."""

@@ -48,6 +48,10 @@ TUNED = triton.__version__.startswith(RELEASES[0])
 SM90_FORWARD = {(128, 128): sm90_forward.block_m(128), (64, 64): 8192, (192, 128): sm90_forward.block_m(192, 128),
                 (256, 256): sm90_forward.block_m(256)}
 SM90_FORWARD_FP8 = {(128, 128): sm90_forward.block_m(128)}  # FP8 q, k, v (P V in bfloat16) against portable FP8
+# Causal windows the sm_90 forward takes, 16-bit: head dims -> the least window (left + 1 keys). From 1024 keys
+# it beats the portable kernel (H200: 0.55-0.63x its time at D 256, 0.73x at D 128); at 256 keys and less the
+# portable kernel's narrow tiles lead (GPT-OSS's 128-key windows, D 128 at 256 keys). Backward: portable.
+SM90_FORWARD_WINDOW = {(128, 128): 1024, (192, 128): 1024, (256, 256): 1024}
 # The sm_90 fused backward: head dim (D = Dv, 16-bit) -> (the least GQA group, full attention too). At D = 64 a
 # program's walk over a large group shares its K and V; smaller groups and full attention lose to the portable
 # kernels, which fit two programs per SM there.
@@ -85,6 +89,14 @@ def _full_or_causal(call: Call, head_dims) -> bool:
             and call.pattern.left < 0 and call.pattern.right in (-1, 0))
 
 
+def _wide_window(call: Call) -> bool:
+    """A dense 16-bit causal window at least as wide as :data:`SM90_FORWARD_WINDOW` gives the forward at these
+    head dims."""
+    p, least = call.pattern, SM90_FORWARD_WINDOW.get((call.head_dim, call.value_dim))
+    return (least is not None and call.dtype in (torch.bfloat16, torch.float16) and not call.packed
+            and p.right == 0 and p.left + 1 >= least)
+
+
 def serves_sm90(call: Call) -> bool:
     """Whether the sm_90 kernels' tables give them calls of this kind (whatever the card): never soft-capped,
     chunked or spanned ones, nor packed decode steps, which only the portable kernels take."""
@@ -95,7 +107,7 @@ def serves_sm90(call: Call) -> bool:
         fp8 = call.dtype == FP8
         table = SM90_FORWARD_FP8 if fp8 else SM90_FORWARD
         rule = call._replace(dtype=torch.bfloat16) if fp8 else call  # the 16-bit rule, FP8's table
-        if not _full_or_causal(rule, table):
+        if not (_full_or_causal(rule, table) or _wide_window(call)):
             return False
         dims = call.head_dim, call.value_dim
         least = sm90_forward.block_m(*dims)  # one full Q tile; a per-item grid the table's length too
