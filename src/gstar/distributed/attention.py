@@ -126,13 +126,13 @@ def context_parallel_attention(q, k, v, *, group=None, layout="zigzag", causal=F
     if n == 0:
         raise ValueError("context parallel attention needs at least one token per rank, got an empty shard")
     check_local_length(n, layout, "the local sequence length (q.shape[2])")
-    local = options.pattern
-    if not (local.right == 0 or local.left < 0 and local.right < 0):
-        raise ValueError(f"context parallel attention supports unbounded windows (causal or not) and causal "
-                         f"sliding windows (left, 0); got window ({local.left}, {local.right})")
     peers = Peers.of(group)
-    pattern = Pattern.make(n * peers.world, n * peers.world, window=(local.left, local.right),
+    # the rule over the whole sequence (options.pattern is the shard's, whose shorter length may drop a left bound)
+    pattern = Pattern.make(n * peers.world, n * peers.world, causal=causal, window=tuple(window),
                            sink_tokens=int(sink_tokens))
+    if not (pattern.right == 0 or pattern.left < 0 and pattern.right < 0):
+        raise ValueError(f"context parallel attention supports unbounded windows (causal or not) and causal "
+                         f"sliding windows (left, 0); got window ({pattern.left}, {pattern.right})")
     if check_ranks:
         _check_ranks(peers, q, k, v, sinks, layout, pattern, options.scale, options.softcap)
     spec = Spec(peers, layout, n, pattern.right == 0, pattern.left, pattern.sink_tokens, options.scale,
