@@ -101,17 +101,25 @@ def test_batch_matches_eager(arch, padding):
     eager, ours = _pair(CONFIGS[arch])
     ids = torch.randint(0, VOCAB, (3, N))
     mask = torch.ones_like(ids) if padding is None else _padding_mask([N, 11, 4], padding)
-    # a padded position's logits are undefined (eager: garbage, gstar: from a zero attention output), so
-    # no label may be predicted from one: drop each row's first real token as a target
-    first = mask.cumsum(dim=1) == 1
-    labels = ids.masked_fill((mask == 0) | first, -100)
-    outs = [m(input_ids=ids, attention_mask=mask, labels=labels) for m in (eager, ours)]
+    assert_training_step_matches(eager, ours, ids, mask)
+
+
+def assert_training_step_matches(eager, ours, ids, mask):
+    """Logits on the real tokens, the loss and every parameter's gradient of one training step equal eager's."""
+    outs = [m(input_ids=ids, attention_mask=mask, labels=training_labels(ids, mask)) for m in (eager, ours)]
     real = mask.bool()
     assert max_error(outs[1].logits[real], outs[0].logits[real]) <= ATOL
     assert max_error(outs[1].loss, outs[0].loss) <= ATOL
     for out in outs:
         out.loss.backward()
     _assert_same_grads(eager, ours)
+
+
+def training_labels(ids, mask):
+    """Next-token labels at real tokens; a padded position's logits are undefined (eager: garbage, gstar: from
+    a zero attention output), so each row's first real token is dropped as a target too."""
+    first = mask.cumsum(dim=1) == 1
+    return ids.masked_fill((mask == 0) | first, -100)
 
 
 def _document_loss(logits, ids):

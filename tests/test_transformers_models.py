@@ -21,7 +21,8 @@ import gstar  # noqa: E402
 import gstar.integrations.transformers as integration  # noqa: E402  (registers "gstar")
 from gstar.lab.accuracy import relative_error  # noqa: E402
 from gstar.reference import naive_attention  # noqa: E402
-from test_transformers import ATOL, N, VOCAB, _assert_same_grads, _grads, _padding_mask, max_error  # noqa: E402
+from test_transformers import (ATOL, N, VOCAB, _assert_same_grads, _grads, _padding_mask,  # noqa: E402
+                               assert_training_step_matches, max_error, training_labels)
 
 masking_utils = pytest.importorskip("transformers.masking_utils")
 
@@ -89,24 +90,6 @@ def _assert_rule_matters(arch, eager, ids, **inputs):
         assert max_error(off(input_ids=ids, **inputs).logits, eager(input_ids=ids, **inputs).logits) > 1000 * ATOL
 
 
-def _assert_training_step_matches(eager, ours, ids, mask):
-    """Logits on the real tokens, the loss and every parameter's gradient of one training step equal eager's."""
-    outs = [m(input_ids=ids, attention_mask=mask, labels=_labels(ids, mask)) for m in (eager, ours)]
-    real = mask.bool()
-    assert max_error(outs[1].logits[real], outs[0].logits[real]) <= ATOL
-    assert max_error(outs[1].loss, outs[0].loss) <= ATOL
-    for out in outs:
-        out.loss.backward()
-    _assert_same_grads(eager, ours)
-
-
-def _labels(ids, mask):
-    """Next-token labels at real tokens; a padded position's logits are undefined (eager: garbage, gstar: from
-    a zero attention output), so each row's first real token is dropped as a target too."""
-    first = mask.cumsum(dim=1) == 1
-    return ids.masked_fill((mask == 0) | first, -100)
-
-
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
 @pytest.mark.parametrize("padding", [None, "right", "left"])
 def test_batch_matches_eager(arch, padding):
@@ -115,7 +98,7 @@ def test_batch_matches_eager(arch, padding):
     mask = torch.ones_like(ids) if padding is None else _padding_mask([N, 11, 6], padding)
     if padding is None:
         _assert_rule_matters(arch, eager, ids)
-    _assert_training_step_matches(eager, ours, ids, mask)
+    assert_training_step_matches(eager, ours, ids, mask)
 
 
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
@@ -211,7 +194,7 @@ def test_gemma3_bidirectional_text_model_matches_eager():
     eager, ours = _pair(_gemma3(use_bidirectional_attention=True))
     ids = torch.randint(0, VOCAB, (3, N))
     mask = _padding_mask([N, 11, 6], "right")
-    _assert_training_step_matches(eager, ours, ids, mask)
+    assert_training_step_matches(eager, ours, ids, mask)
 
 
 def _gemma3_vision():
@@ -247,7 +230,7 @@ def test_gemma3_image_tokens_match_eager(padding):
     elif padding == "right":
         ids[1, -1], token_type_ids[1, -1], mask[1, -1] = 3, 0, 0
     inputs = dict(input_ids=ids, pixel_values=pixels, token_type_ids=token_type_ids, attention_mask=mask)
-    labels = _labels(ids, mask)
+    labels = training_labels(ids, mask)
     outs = [m(**inputs, labels=labels) for m in (eager, ours)]
     real = mask.bool()
     with torch.no_grad():
