@@ -159,6 +159,40 @@ def test_paged_decode_step_matches_varlen():
         torch.testing.assert_close(step["k_cache"][page, slot], step["key"][0, :, b])
 
 
+class _CacheWrittenByAttention:
+    """A paged cache that leaves its writing to the attention function, as transformers 5.17 and older have it:
+    ``update`` takes the layer's read and write indices, writes the new rows and returns the rows read."""
+
+    def __init__(self, rows):
+        self.keys, self.values = rows                                              # (slots, Hkv, D)
+
+    def update(self, key_states, value_states, layer_idx, read_index, write_index):
+        self.keys.index_copy_(0, write_index[layer_idx], key_states[0].transpose(0, 1))
+        self.values.index_copy_(0, write_index[layer_idx], value_states[0].transpose(0, 1))
+        return self.keys[read_index[layer_idx]], self.values[read_index[layer_idx]]
+
+
+def test_cache_written_by_the_attention_function():
+    # a chunk of 2 queries after 3 cached keys and a 4-query prefill, as such a release hands them over
+    torch.manual_seed(2)
+    Hq, Hkv, D = 4, 2, 16
+    cache = _CacheWrittenByAttention(torch.randn(2, 12, Hkv, D))
+    past = cache.keys[[7, 2, 9]].clone(), cache.values[[7, 2, 9]].clone()
+    query, key, value = torch.randn(1, Hq, 6, D), torch.randn(1, Hkv, 6, D), torch.randn(1, Hkv, 6, D)
+    write, read = torch.tensor([4, 0, 11, 5, 6, 8]), torch.tensor([7, 2, 9, 4, 0, 11, 5, 6, 8])
+    cu_q, cu_k = torch.tensor([0, 2, 6], dtype=torch.int32), torch.tensor([0, 5, 9], dtype=torch.int32)
+    with torch.no_grad():
+        out, _ = integration.gstar_attention_forward(
+            _Layer(layer_idx=0), query, key, value, None, cache=cache, read_index=[read], write_index=[write],
+            cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, max_seqlen_q=4, max_seqlen_k=5)
+    new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)                # (6, Hkv, D)
+    keys = torch.cat([past[0], new_k])                                             # (9, Hkv, D)
+    values = torch.cat([past[1], new_v])
+    ref = gstar.flash_attention_varlen(query[0].transpose(0, 1), keys, values, cu_q, cu_k, 4, 5, causal=True)
+    torch.testing.assert_close(out[0], ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.keys[write], new_k)  # the new rows were written
+
+
 def test_paged_errors():
     step = _paged_step(page_size=8)
     with pytest.raises(ValueError, match="multiple of 16"), torch.no_grad():

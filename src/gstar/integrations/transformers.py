@@ -84,7 +84,8 @@ name after. Each step packs its requests in one row, some prefilling, some decod
 writes the new keys and hands back each request's keys (a sliding layer's last ``W - 1`` beside the new ones,
 ``cu_seq_lens_k`` by layer type, of which the attention function takes this layer's entry), and
 :func:`gstar.flash_attention_varlen` attends the queries as each request's last keys, windows, sinks and
-soft-capping applied as above. A decode step on transformers' block table (its fast path, which transformers
+soft-capping applied as above (releases whose cache leaves its writing to the attention function, 5.17 and
+older, are written here first). A decode step on transformers' block table (its fast path, which transformers
 enables for flash-attn 2 / 3 on CUDA) appends the new token into the layer's paged cache ``(num_pages,
 page_size, Hkv, D)`` and attends through :func:`gstar.flash_attention_with_kvcache`; pages must hold a multiple
 of 16 tokens (``ContinuousBatchingConfig(page_size=...)``, 256 by default). Rows a CUDA graph pads past the
@@ -93,6 +94,7 @@ last request come out unset, as flash-attn leaves them.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from typing import NamedTuple
 
@@ -287,6 +289,22 @@ def _flattened_plan(cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, de
     return cu_q, cu_k, max_q, max_k
 
 
+def _writes_cache(cache) -> bool:
+    """Whether continuous batching's paged cache leaves writing it to the attention function (transformers
+    releases whose ``PagedAttentionCache.update`` takes ``read_index`` / ``write_index``; later ones update it in
+    the attention layer, before the function is called)."""
+    return "read_index" in inspect.signature(cache.update).parameters
+
+
+def _written(module, key, value, cache, kwargs):
+    """Write a step's new keys and values into a paged cache that leaves it to the attention function
+    (:func:`_writes_cache`) and return each request's keys and values as the cache gathers them, ``(1, Hkv,
+    total_k, D)`` / ``(..., Dv)``: the rows ``cu_seq_lens_k`` describes."""
+    key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                              read_index=kwargs["read_index"], write_index=kwargs["write_index"])
+    return key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0)      # (1, Hkv, total_k, D)
+
+
 def _layer_entry(value, module):
     """This layer's entry of a per-layer-type dict (continuous batching's ``cu_seq_lens_k`` / ``max_length_k`` of
     a model mixing sliding and full layers), picked by ``config.layer_types[layer_idx]`` as transformers' paged
@@ -361,13 +379,22 @@ def gstar_attention_forward(module, query, key, value, attention_mask, scaling=N
             attended by :func:`gstar.flash_attention_with_kvcache`.
         deterministic: :func:`gstar.flash_attention`'s flag for a plain batch (None: True, gstar's default;
             packed, padded and cached batches have only the deterministic backward).
-        kwargs: whatever else the model forwards (ignored).
+        kwargs: whatever else the model forwards: continuous batching's ``cache`` (with ``read_index`` and
+            ``write_index``), written here where the transformers release leaves that to the attention function,
+            and ``max_seqlen_q`` / ``max_seqlen_k``, that release's names of ``max_length_q`` / ``max_length_k``;
+            the rest is ignored.
 
     Returns ``(attn_output, None)``, ``attn_output`` ``(B, Nq, Hq, Dv)``, as the flash integrations do (no
     attention probabilities exist to return).
     """
     opts = _options(module, dropout, sliding_window, softcap, is_causal)
     causal = opts["causal"]
+    cache = kwargs.get("cache")  # continuous batching's PagedAttentionCache
+    if cache is not None and block_table is None and _writes_cache(cache):
+        key, value = _written(module, key, value, cache, kwargs)
+    # releases that leave the cache to the attention function name the longest lengths max_seqlen_q / _k
+    max_length_q = kwargs.get("max_seqlen_q") if max_length_q is None else max_length_q
+    max_length_k = kwargs.get("max_seqlen_k") if max_length_k is None else max_length_k
     cu_seq_lens_k, max_length_k = _layer_entry(cu_seq_lens_k, module), _layer_entry(max_length_k, module)
     # continuous batching (transformers' PagedAttentionCache): its requests packed in one row
     paged = kwargs.get("write_index") is not None or block_table is not None

@@ -301,6 +301,8 @@ def decode_plans(call: Call, device: torch.device, cache: tuple, batch: int, kv_
     if family(call, device, cache) == SM90:
         return (sm90_decode.plan(batch, heads, kv_heads, p.nq, call.head_dim, call.value_dim, call.paged,
                                  block_size, p, device, num_splits),)
-    plan = portable_decode.packed_plans if call.packed else lambda *a: (portable_decode.plan(*a),)
-    return plan(batch, heads, kv_heads, p.nq, call.head_dim, call.value_dim, call.paged, block_size, p, device,
-                dot_precision(call.dtype), num_splits, call.kv_dtype == FP8, call.softcap)
+    args = (batch, heads, kv_heads, p.nq, call.head_dim, call.value_dim, call.paged, block_size, p, device,
+            dot_precision(call.dtype), num_splits, call.kv_dtype == FP8, call.softcap)
+    if call.packed:
+        return portable_decode.packed_plans(*args, dtype=call.dtype)
+    return (portable_decode.plan(*args),)

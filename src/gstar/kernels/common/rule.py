@@ -146,6 +146,22 @@ def sequence_bounds(Cu, seq, n, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def packed_slot(Cu, slot, batch, per_query, ROWS: tl.constexpr):
+    """``(seq, tile)`` of program ``slot`` of a launch whose grid follows a packed batch's total length, not its
+    longest sequence: sequence ``seq`` (of ``batch``; rows ``Cu[seq] .. Cu[seq + 1]``) owns the slots ``[first(seq),
+    first(seq + 1))``, ``first(s) = Cu[s] * per_query // ROWS + s``, at least the tiles of ``ROWS`` rows that its
+    rows (``per_query`` a query) fill; slots past them are the kernel's to skip. Found by bisection; int64."""
+    lo = 0
+    hi = batch
+    while hi - lo > 1:  # first(lo) <= slot < first(hi)
+        mid = (lo + hi) // 2
+        inside = tl.load(Cu + mid).to(tl.int64) * per_query // ROWS + mid <= slot
+        lo = tl.where(inside, mid, lo)
+        hi = tl.where(inside, hi, mid)
+    return lo.to(tl.int64), slot - (tl.load(Cu + lo).to(tl.int64) * per_query // ROWS + lo)
+
+
+@triton.jit
 def tile_rows(offs, h0, row_start, q_start, Nq, ROWS: tl.constexpr):
     """Where tile rows ``offs`` (R,) live when a tile stacks query heads ``h0, h0 + 1, ...`` of ROWS
     positions each (PACK_GQA): their query head, their position in the sequence, whether it is a real row

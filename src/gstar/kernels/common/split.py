@@ -48,12 +48,12 @@ def decode_rows(b, heads, split, rows, q_start, stride_o, stride_lse, SPLIT: tl.
 
 
 @triton.jit
-def combine(Part, PartLse, Sinks, CuSeqlensQ, Out, Lse, stride_p, stride_pl, stride_o, stride_lse, splits,
+def combine(Part, PartLse, Sinks, CuQ, Out, Lse, stride_p, stride_pl, stride_o, stride_lse, splits,
             VALUE_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
     """Grid (rows, Hq, B): row ``(b, h, i)`` from its ``splits`` partials (Part: (B, Hq, splits, rows,
     VALUE_DIM), PartLse: (B, Hq, splits, rows), float32), the learned sink (Sinks: None or (Hq,) float32) added
     once: ``lse = log(sum_s exp(lse_s) + exp(sink))``, ``out = sum_s exp(lse_s - lse) out_s``. Out and Lse as
-    :func:`decode_rows` lays them out; packed (CuSeqlensQ (B + 1,) int32), only the sequences of at most ``rows``
+    :func:`decode_rows` lays them out; packed (CuQ (B + 1,) int32), only the sequences of at most ``rows``
     queries were split, and only theirs are merged. PDL: launched as a programmatic dependent of the decode
     kernel, its programs wait here for that kernel's writes."""
     if PDL:
@@ -61,7 +61,7 @@ def combine(Part, PartLse, Sinks, CuSeqlensQ, Out, Lse, stride_p, stride_pl, str
     i = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
-    q_start, seq_q = sequence_bounds(CuSeqlensQ, b, tl.num_programs(0), CuSeqlensQ is not None)
+    q_start, seq_q = sequence_bounds(CuQ, b, tl.num_programs(0), CuQ is not None)
     ok = (i < seq_q) & (seq_q <= tl.num_programs(0))  # a row of a split sequence
     live = tl.where(ok, splits, 0)  # the partials to read: none for another row (a vector mask, not a scalar's)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -144,7 +144,7 @@ def decode(plans: tuple[Plan, ...], q, cache, cache_seqlens, added: int, sinks, 
         stride_q, stride_out, stride_lse = tuple(q.stride()[:3]), tuple(out.stride()[:3]), tuple(lse.stride()[:2])
     B, k, v, table = cache_seqlens.shape[0], cache.k, cache.v, cache.block_table
     group = Hq // (k.shape[2] if cache.paged else k.shape[1])
-    common = {"Q": q, "K": k, "V": v, "BlockTable": table, "Seqlens": cache_seqlens, "CuSeqlensQ": cu_seqlens_q,
+    common = {"Q": q, "K": k, "V": v, "BlockTable": table, "Seqlens": cache_seqlens, "CuQ": cu_seqlens_q,
               "stride_q": stride_q, "stride_k": tuple(k.stride()[:3]), "stride_v": tuple(v.stride()[:3]),
               "stride_bt": table.stride(0) if cache.paged else 0, "added": added, **softcap_args(scale, softcap),
               **descale_args(descale)}
@@ -163,7 +163,7 @@ def decode(plans: tuple[Plan, ...], q, cache, cache_seqlens, added: int, sinks, 
         launch(plan.kernel, grid, {**plan.args, **common, "Sinks": None, "Out": part, "Lse": part_lse,
                                         "stride_o": stride_p, "stride_lse": stride_pl}, plan.options)
         launch(combine, (plan.rows, Hq, B), {"Part": part, "PartLse": part_lse, "Sinks": sinks,
-                                             "CuSeqlensQ": cu_seqlens_q, "Out": out, "Lse": lse, "stride_p": stride_p,
+                                             "CuQ": cu_seqlens_q, "Out": out, "Lse": lse, "stride_p": stride_p,
                                              "stride_pl": stride_pl, "stride_o": stride_out,
                                              "stride_lse": stride_lse, "splits": plan.splits}, plan.merge)
     return out, lse

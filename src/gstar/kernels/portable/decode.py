@@ -29,13 +29,14 @@ from triton.language.extra.cuda import gdc_launch_dependents
 
 from ...pattern import Pattern, cdiv
 from ..common.fp8 import half_queries, load_descales
-from ..common.rule import bounds, mask, rule, sequence_bounds
+from ..common.rule import bounds, mask, packed_slot, rule, sequence_bounds
 from ..common.sizes import pad_head_dim
 from ..common.softmax import finish_state, softcapped, softmax_step, start_state
 from ..common.split import Plan, decode_program, decode_rows, early_combine, merge_options, visible_blocks
 from ..common.walk import block_at, kv_blocks, steps
 from .. import card
 from ..launch import constexprs
+from .forward import cache_plan
 
 MAX_TILE_ROWS = 128  # stacked rows (group x queries) a program holds; more take further row tiles
 MAX_SPLITS = 64
@@ -107,26 +108,10 @@ def _fold_steps(acc, m_i, l_i, q, rows, i_lo, i_hi, cache, blocks, rule, scores,
     return acc, m_i, l_i
 
 
-@triton.jit
-def _slot(CuSeqlensQ, slot, group, batch, BLOCK_R: tl.constexpr):
-    """``(b, tile)`` of a long launch's program ``slot``: sequence ``b`` (of ``batch``) owns slots ``[first(b),
-    first(b + 1))``, ``first(b) = CuSeqlensQ[b] * group // BLOCK_R + b``, at least the tiles of ``BLOCK_R``
-    stacked rows its queries fill (slots past them walk nothing), so the grid follows total_q, not the longest
-    sequence; found by bisection on the device."""
-    lo = 0
-    hi = batch
-    while hi - lo > 1:  # first(lo) <= slot < first(hi)
-        mid = (lo + hi) // 2
-        inside = tl.load(CuSeqlensQ + mid).to(tl.int64) * group // BLOCK_R + mid <= slot
-        lo = tl.where(inside, mid, lo)
-        hi = tl.where(inside, hi, mid)
-    return lo.to(tl.int64), slot - (tl.load(CuSeqlensQ + lo).to(tl.int64) * group // BLOCK_R + lo)
-
-
 # lengths, bounds and row counts change between calls: specialising on them would recompile a decode loop
 @triton.jit(do_not_specialize=["nq", "group", "added", "short_q", "batch", "left", "right", "sink_tokens", "chunk",
                                "page_size"])
-def _decode(Q, K, V, BlockTable, Seqlens, CuSeqlensQ, Sinks, Out, Lse, QDescale, KDescale, VDescale,
+def _decode(Q, K, V, BlockTable, Seqlens, CuQ, Sinks, Out, Lse, QDescale, KDescale, VDescale,
             stride_q, stride_k, stride_v, stride_bt, stride_o, stride_lse,
             nq, group, added, short_q, batch, left, right, sink_tokens, chunk, page_size, qk_scale, softcap,
             stride_ds,
@@ -134,8 +119,8 @@ def _decode(Q, K, V, BlockTable, Seqlens, CuSeqlensQ, Sinks, Out, Lse, QDescale,
             TILE_QUERIES: tl.constexpr, SERVES: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
             MASK: tl.constexpr, PRECISION: tl.constexpr, PTX_WIDEN: tl.constexpr, SOFTCAP: tl.constexpr,
             PDL: tl.constexpr):
-    """Q: (B, Hq, nq, HEAD_DIM), or packed (total_q, Hq, HEAD_DIM) with CuSeqlensQ (B + 1,) int32 (sequence
-    ``b``'s queries are rows ``CuSeqlensQ[b] .. CuSeqlensQ[b + 1]``, at most ``nq``); K, V: contiguous (B, Hkv,
+    """Q: (B, Hq, nq, HEAD_DIM), or packed (total_q, Hq, HEAD_DIM) with CuQ (B + 1,) int32 (sequence
+    ``b``'s queries are rows ``CuQ[b] .. CuQ[b + 1]``, at most ``nq``); K, V: contiguous (B, Hkv,
     Nmax, HEAD_DIM / VALUE_DIM) or, with PAGED, (pages, page_size, Hkv, ...) read through BlockTable (B,
     max_blocks) int32; Seqlens: (B,) int32, a sequence's keys before the ``added`` appended ones; Sinks: None
     or (Hq,) float32 (used when not SPLIT). SERVES: which sequences this launch takes, ``"all"``, ``"short"``
@@ -156,11 +141,11 @@ def _decode(Q, K, V, BlockTable, Seqlens, CuSeqlensQ, Sinks, Out, Lse, QDescale,
     DV_PAD: tl.constexpr = pad_head_dim(VALUE_DIM)
     if SERVES == "long":  # grid (slots, Hkv): each slot one tile of one sequence
         split, splits, hkv = 0, 1, tl.program_id(1)
-        b, tile = _slot(CuSeqlensQ, tl.program_id(0), group, batch, BLOCK_R)
+        b, tile = packed_slot(CuQ, tl.program_id(0), batch, group, BLOCK_R)
         nk = tl.load(Seqlens + b) + added
     else:
         split, splits, hkv, tile, b, nk = decode_program(Seqlens, added, group, nq, BLOCK_R)
-    q_start, seq_q = sequence_bounds(CuSeqlensQ, b, nq, CuSeqlensQ is not None)
+    q_start, seq_q = sequence_bounds(CuQ, b, nq, CuQ is not None)
     if SERVES == "short":
         seq_q = tl.where(seq_q <= short_q, seq_q, 0)
     elif SERVES == "long":
@@ -299,12 +284,15 @@ def plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: bool, block
 @functools.lru_cache(maxsize=256)
 def packed_plans(B: int, Hq: int, Hkv: int, max_q: int, D: int, Dv: int, paged: bool, block_size: int,
                  pattern: Pattern, device: torch.device, precision: str, num_splits: int | None, fp8: bool,
-                 softcap: bool = False) -> tuple[Plan, ...]:
+                 softcap: bool = False, *, dtype: torch.dtype) -> tuple[Plan, ...]:
     """The launches of a packed step (``B`` sequences of 0 to ``max_q`` queries each, arguments as :func:`plan`
-    takes them, ``pattern`` at ``max_q`` queries): the sequences of at most ``SHORT_QUERIES`` queries (as many as
-    one program's rows hold: decode tokens, a few drafts) split their keys over programs; the longer ones (prefill
-    chunks) walk them in tiles of consecutive queries, one program per tile. Each launch spans the whole batch and
-    skips the other's sequences on the device, so the mix may change from step to step without a sync."""
+    takes them, ``pattern`` at ``max_q`` queries, ``dtype`` the queries'): the sequences of at most
+    ``SHORT_QUERIES`` queries (as many as one program's rows hold: decode tokens, a few drafts) split their keys
+    over programs; the longer ones (prefill chunks) walk them in tiles of consecutive queries, one program per
+    tile: the forward kernel's prefill tiles (:func:`gstar.kernels.portable.forward.cache_plan`), or from an FP8
+    cache this kernel's (the forward takes FP8 values widened beforehand, a copy of the whole cache). Each launch
+    spans the whole batch and skips the other's sequences on the device, so the mix may change from step to step
+    without a sync."""
     group = Hq // Hkv
     width = pad_head_dim(D) + pad_head_dim(Dv)
     short_rows = stacked_rows(group * min(max_q, SHORT_QUERIES), width)
@@ -313,5 +301,8 @@ def packed_plans(B: int, Hq: int, Hkv: int, max_q: int, D: int, Dv: int, paged: 
                    device, precision, num_splits, fp8, softcap, "short", short_q),) if short_q else ()
     if max_q <= short_q:
         return short
+    if not fp8:
+        return short + (cache_plan(B, Hq, Hkv, max_q, D, Dv, dtype, block_size if paged else 0, pattern, device,
+                                   precision, softcap, short_q),)
     return short + (_plan(B, Hkv, group, max_q, D, Dv, stacked_rows(group * max_q, width), paged, block_size, pattern,
                           device, precision, 1, fp8, softcap, "long", short_q),)

@@ -27,16 +27,32 @@ import triton.language as tl
 
 from ...pattern import Pattern, cdiv
 from ..common.fp8 import descale_args, load_descales
-from ..common.rule import bounds, mask, rule, sequence_bounds, tile_rows
+from ..common.rule import bounds, mask, packed_slot, rule, sequence_bounds, tile_rows
 from ..common.sizes import pad_head_dim
 from ..common.softmax import finish_state, softcap_args, softcapped, softmax_step, start_state
+from ..common.split import Plan
 from ..common.walk import flat, kv_blocks, segment, tiles_fastest
 from ..launch import constexprs, launch
 from .tiles import dot_precision, forward_config
 
 @triton.jit
-def _attend_blocks(acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_n,
-                   block_lo, block_hi, qk_scale, softcap, rule, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+def _block_offsets(Pages, start_n, page_size, key_strides, value_strides):
+    """Offsets of keys ``start_n ..`` from the K and V pointers of key 0: ``*_strides`` (row, page). Paged
+    (Pages: the sequence's row of the block table), the block lies in one page (BLOCK_N divides page_size)."""
+    if Pages is None:  # the rows follow one another
+        k_offset = start_n.to(tl.int64) * key_strides[0]
+        v_offset = start_n.to(tl.int64) * value_strides[0]
+    else:
+        page = tl.load(Pages + start_n // page_size).to(tl.int64)
+        row = (start_n % page_size).to(tl.int64)
+        k_offset = page * key_strides[1] + row * key_strides[0]
+        v_offset = page * value_strides[1] + row * value_strides[0]
+    return k_offset, v_offset
+
+
+@triton.jit
+def _attend_blocks(acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2, k_ptrs, v_ptrs, key_strides, value_strides,
+                   Pages, page_size, offs_n, block_lo, block_hi, qk_scale, softcap, rule, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MAY_BE_EMPTY: tl.constexpr, PRECISION: tl.constexpr,
                    HALVES: tl.constexpr, SOFTCAP: tl.constexpr):
     """Fold KV blocks ``[block_lo, block_hi)`` into the running state of one Q tile.
@@ -44,7 +60,8 @@ def _attend_blocks(acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2, k_ptrs, v_pt
     ``(acc, m_i, l_i, q, rows)`` are the state and rows of the tile (or of its first half with HALVES), as
     in :func:`softmax_step`, with q: (R, D_PAD); ``(acc2, ..., rows2)`` those of the second half (ignored
     and returned as they came without HALVES). k_ptrs: (D_PAD, BLOCK_N) and v_ptrs: (BLOCK_N, DV_PAD) point
-    at keys 0..BLOCK_N-1 of this kv head; offs_n: (BLOCK_N,). Masked blocks also guard the loads of keys
+    at keys 0..BLOCK_N-1 of this kv head, the others found as :func:`_block_offsets` takes ``key_strides``,
+    ``value_strides``, ``Pages`` and ``page_size``; offs_n: (BLOCK_N,). Masked blocks also guard the loads of keys
     past ``rule.nk``; whole blocks load unmasked unless their head dim is padded. ``qk_scale``, ``softcap`` and
     SOFTCAP: the score factors (:func:`softcapped`).
     HALVES: both halves' score products are issued before either softmax, so the tensor cores work on
@@ -57,7 +74,8 @@ def _attend_blocks(acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2, k_ptrs, v_pt
     for block in range(block_lo, block_hi):
         start_n = block * BLOCK_N
         cols = start_n + offs_n  # (BLOCK_N,)
-        k_block = k_ptrs + start_n.to(tl.int64) * stride_kn
+        k_offset, v_offset = _block_offsets(Pages, start_n, page_size, key_strides, value_strides)
+        k_block = k_ptrs + k_offset
         if MASKED:
             k = tl.load(k_block, mask=d_ok[:, None] & (cols[None, :] < rule.nk), other=0.0)
         elif EVEN_D:
@@ -70,7 +88,7 @@ def _attend_blocks(acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2, k_ptrs, v_pt
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, rows, cols, qk_scale, rule, MASKED, MAY_BE_EMPTY)
         # the rescaled accumulator goes into the next dot as its accumulator, so the MMA adds into it in place
         acc = acc * alpha[:, None]
-        v_block = v_ptrs + start_n.to(tl.int64) * stride_vn
+        v_block = v_ptrs + v_offset
         if MASKED:
             v = tl.load(v_block, mask=(cols[:, None] < rule.nk) & dv_ok[None, :], other=0.0)
         elif EVEN_DV:
@@ -116,11 +134,12 @@ def _finish_rows(Out, Lse, acc, m_i, l_i, offs, h0, row_start, q_start, b, strid
 
 # sequence lengths and window bounds change from call to call: specialising on them (== 1, % 16) would
 # recompile the kernel for new lengths and buys nothing, since they only enter masks and loop bounds
-@triton.jit(do_not_specialize=["Nq", "Nk", "left", "right", "sink_tokens", "chunk"])
+@triton.jit(do_not_specialize=["Nq", "Nk", "left", "right", "sink_tokens", "chunk", "short_q", "batch", "page_size"])
 def _forward(
-        Q, K, V, Sinks, Out, Lse, CuQ, CuK, QDescale, KDescale, VDescale, Spans,
-        stride_q, stride_k, stride_v, stride_o, stride_lse,
-        group, Nq, Nk, left, right, sink_tokens, chunk, qk_scale, softcap, stride_ds, stride_spans,
+        Q, K, V, Sinks, Out, Lse, CuQ, CuK, Seqlens, BlockTable, QDescale, KDescale, VDescale, Spans,
+        stride_q, stride_k, stride_v, stride_o, stride_lse, stride_bt,
+        group, Nq, Nk, short_q, batch, page_size, left, right, sink_tokens, chunk, qk_scale, softcap, stride_ds,
+        stride_spans,
         HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         PACK: tl.constexpr, MASK: tl.constexpr, FLAT: tl.constexpr, HALVES: tl.constexpr, PRECISION: tl.constexpr,
         SOFTCAP: tl.constexpr):
@@ -132,6 +151,11 @@ def _forward(
     Q: (total_q, Hq, HEAD_DIM), Out: (total_q, Hq, VALUE_DIM) and keys ``CuK[s] .. CuK[s + 1]`` of
     K: (total_k, Hkv, HEAD_DIM), V: (total_k, Hkv, VALUE_DIM) (batch strides 0); Lse: (Hq, total_q); n_tiles
     covers the longest sequence and the tiles past a shorter one exit at once; Nq, Nk are unused.
+    From a cache (Seqlens: (batch,) int32, sequence ``s``'s keys; CuK None; a serving step's long sequences,
+    :func:`cache_plan`): K, V contiguous (batch, Hkv, Nmax, ...) or, with BlockTable (batch, max_blocks) int32
+    and row stride ``stride_bt``, paged (pages, page_size, Hkv, ...) with strides (page, row, head); Q packed;
+    the grid ``(slots, Hq // PACK, 1)``, one slot per tile of ``BLOCK_M // PACK`` queries
+    (:func:`packed_slot`); only sequences of more than ``short_q`` queries are taken.
     ``stride_x``: the (batch, head, row) strides of x, whose last stride is 1; stride_lse: (batch, head),
     unit row stride. Hkv = Hq // group. Sinks: None or (Hq,) float32 learned sink logits.
     ``qk_scale``, ``softcap`` and SOFTCAP: the score factors of :func:`softcap_args` (qk_scale > 0).
@@ -154,12 +178,22 @@ def _forward(
     # Heads vary fastest, so the query heads of a GQA group run side by side and share K/V through L2, or
     # without mask bounds one head's tiles do, each of which reads all of that head's K/V; tiles run last to
     # first, so under a causal mask the longest rows start first and short ones fill in.
-    HEAD_AXIS: tl.constexpr = 1 if tiles_fastest(MASK.has_left or MASK.has_chunk, MASK.has_right) else 0
+    # From a cache a pack holds the whole group (the kv heads share nothing), so a slot's neighbours are the
+    # next tiles of its sequence, which read the same keys.
+    CACHE: tl.constexpr = Seqlens is not None
+    PAGED: tl.constexpr = BlockTable is not None
+    HEAD_AXIS: tl.constexpr = 1 if CACHE or tiles_fastest(MASK.has_left or MASK.has_chunk, MASK.has_right) else 0
     h0 = tl.program_id(HEAD_AXIS) * PACK  # first query head of this tile
     tile = tl.num_programs(1 - HEAD_AXIS) - 1 - tl.program_id(1 - HEAD_AXIS)
-    b = tl.program_id(2).to(tl.int64)  # 64-bit offsets from here on: one head's offset may pass 2^31
-    q_start, Nq = sequence_bounds(CuQ, b, Nq, VARLEN)
-    k_start, Nk = sequence_bounds(CuK, b, Nk, VARLEN)
+    if CACHE:
+        b, tile = packed_slot(CuQ, tile, batch, 1, ROWS)
+        q_start, Nq = sequence_bounds(CuQ, b, Nq, True)
+        Nq = tl.where(Nq > short_q, Nq, 0)  # the shorter sequences are the split-KV launch's
+        k_start, Nk = b * 0, tl.load(Seqlens + b)
+    else:
+        b = tl.program_id(2).to(tl.int64)  # 64-bit offsets from here on: one head's offset may pass 2^31
+        q_start, Nq = sequence_bounds(CuQ, b, Nq, VARLEN)
+        k_start, Nk = sequence_bounds(CuK, b, Nk, VARLEN)
     row_start = tile * ROWS
     if VARLEN:  # tiles past a shorter packed sequence (a dense grid has none: no branch around the body)
         if row_start >= Nq:
@@ -186,10 +220,17 @@ def _forward(
                                               ROWS, HEAD_DIM, VALUE_DIM)
     else:  # placeholders that _attend_blocks passes through untouched
         q2, rows2, acc2, m2, l2 = q, rows, acc, m_i, l_i
-    k_first = b * stride_k[0] + h_kv * stride_k[1] + k_start * stride_k[2]
-    v_first = b * stride_v[0] + h_kv * stride_v[1] + k_start * stride_v[2]
-    k_ptrs = K + k_first + offs_n[None, :] * stride_k[2] + offs_d[:, None]  # (D_PAD, BLOCK_N) K^T
-    v_ptrs = V + v_first + offs_n[:, None] * stride_v[2] + offs_dv[None, :]  # (BLOCK_N, DV_PAD)
+    Pages = BlockTable
+    if PAGED:  # strides (page, row, head): key 0's page is found per block
+        Pages = BlockTable + b * stride_bt
+        k_first, v_first = h_kv * stride_k[2], h_kv * stride_v[2]
+        key_strides, value_strides = (stride_k[1], stride_k[0]), (stride_v[1], stride_v[0])
+    else:
+        k_first = b * stride_k[0] + h_kv * stride_k[1] + k_start * stride_k[2]
+        v_first = b * stride_v[0] + h_kv * stride_v[1] + k_start * stride_v[2]
+        key_strides, value_strides = (stride_k[2], 0), (stride_v[2], 0)
+    k_ptrs = K + k_first + offs_n[None, :] * key_strides[0] + offs_d[:, None]  # (D_PAD, BLOCK_N) K^T
+    v_ptrs = V + v_first + offs_n[:, None] * value_strides[0] + offs_dv[None, :]  # (BLOCK_N, DV_PAD)
 
     blocks = kv_blocks(seq_rule, row_start, ROWS, BLOCK_N)
     if FLAT:
@@ -200,7 +241,8 @@ def _forward(
             lo, hi = segment(blocks, s)
             acc, m_i, l_i, acc2, m2, l2 = _attend_blocks(
                 acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2, k_ptrs=k_ptrs, v_ptrs=v_ptrs,
-                stride_kn=stride_k[2], stride_vn=stride_v[2], offs_n=offs_n, block_lo=lo, block_hi=hi,
+                key_strides=key_strides, value_strides=value_strides, Pages=Pages, page_size=page_size,
+                offs_n=offs_n, block_lo=lo, block_hi=hi,
                 qk_scale=qk_scale, softcap=softcap, rule=seq_rule, HEAD_DIM=HEAD_DIM, VALUE_DIM=VALUE_DIM,
                 BLOCK_N=BLOCK_N, MASKED=s != 2, MAY_BE_EMPTY=Sinks is None, PRECISION=PRECISION, HALVES=HALVES,
                 SOFTCAP=SOFTCAP)
@@ -212,6 +254,9 @@ def _forward(
     if HALVES:
         _finish_rows(Out, Lse, acc2, m2, l2, offs_m + R, h0, row_start, q_start, b, stride_o, stride_lse, Nq, ROWS,
                      VALUE_DIM)
+
+
+_NO_CACHE = dict(Seqlens=None, BlockTable=None, stride_bt=0, short_q=0, batch=1, page_size=1)  # keys passed as K, V
 
 
 def batch_strides(stride: tuple, varlen: bool) -> tuple:
@@ -249,12 +294,34 @@ def _plan(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tuple, v_sh
         grid = (grid[1], grid[0], grid[2])
     q_s, k_s, v_s = (batch_strides(s, varlen) for s in (q_stride, k_stride, v_stride))
     args = dict(stride_q=q_s, stride_k=k_s, stride_v=v_s, stride_lse=(0 if varlen else Hq * Nq, Nq),
-                group=Hq // Hkv, Nq=Nq, Nk=Nk, **bounds(pattern), **softcap_args(scale, softcap))
+                group=Hq // Hkv, Nq=Nq, Nk=Nk, **_NO_CACHE, **bounds(pattern), **softcap_args(scale, softcap))
     return _Plan(grid, args, constexprs(
         HEAD_DIM=D, VALUE_DIM=Dv, BLOCK_M=block_m, BLOCK_N=block_n, PACK=pack, MASK=mask(pattern, spans),
         FLAT=bool(cfg["FLAT"]), HALVES=bool(cfg["HALVES"]), PRECISION=precision, SOFTCAP=softcap > 0,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"]))
+
+
+@functools.lru_cache(maxsize=256)
+def cache_plan(B: int, Hq: int, Hkv: int, max_q: int, D: int, Dv: int, dtype: torch.dtype, block_size: int,
+               pattern: Pattern, device: torch.device, precision: str, softcap: bool, short_q: int) -> Plan:
+    """The launch of a packed serving step's long sequences (more than ``short_q`` of at most ``max_q`` queries;
+    ``pattern`` at ``max_q``) against a cache, contiguous or paged (``block_size``; 0: contiguous), as
+    :func:`gstar.kernels.common.split.decode` launches it: this kernel's prefill tiles, the keys read in place
+    (a paged block within one page). The grid's axis 0 holds a slot per ``BLOCK_M // PACK`` queries of the
+    step plus one per sequence (:class:`Plan`'s ``slot_rows``), so it follows total_q, not B times max_q."""
+    group = Hq // Hkv
+    cfg = forward_config(D, dtype, pattern, device, group=group, value_dim=Dv)
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    while block_size % block_n:  # block sizes are multiples of 16, the least BLOCK_N
+        block_n //= 2
+    pack = math.gcd(cfg["PACK_GQA"], group, block_m)
+    args = dict(group=group, Nq=max_q, Nk=0, short_q=short_q, batch=B, page_size=block_size or 1, CuK=None,
+                Spans=None, stride_spans=0, **bounds(pattern))
+    return Plan(_forward, (B, Hq // pack, 1), 1, args, constexprs(
+        HEAD_DIM=D, VALUE_DIM=Dv, BLOCK_M=block_m, BLOCK_N=block_n, PACK=pack, MASK=mask(pattern),
+        FLAT=bool(cfg["FLAT"]), HALVES=bool(cfg["HALVES"]), PRECISION=precision, SOFTCAP=softcap,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]), (), max_q, block_m // pack * group)
 
 
 def forward(q, k, v, sinks, out, lse, pattern: Pattern, scale: float, config: dict | None = None, cu_seqlens=None,
