@@ -291,6 +291,14 @@ def decode_forward(q, cache, cache_seqlens, added: int, sinks, pattern: Pattern,
     return decode(plans, q_in, cache, cache_seqlens, added, sinks, scale, descale, out_dtype, softcap, cu_seqlens_q)
 
 
+def values_in_keys(k, v) -> bool:
+    """Whether a cache's values are a view of its keys' first lanes (multi-head latent attention's one cache read
+    as both, as DeepSeek-V3 decodes with absorbed weights): the same storage, offset and strides, fewer lanes."""
+    return (v.dtype == k.dtype and v.shape[-1] <= k.shape[-1] and v.stride() == k.stride()
+            and v.storage_offset() == k.storage_offset()
+            and v.untyped_storage()._cdata == k.untyped_storage()._cdata)
+
+
 def decode_plans(call: Call, device: torch.device, cache: tuple, batch: int, kv_heads: int, block_size: int,
                  num_splits: int | None) -> tuple:
     """The launches of a decode step (:class:`gstar.kernels.common.split.Plan`, one or, packed, two) from the
@@ -303,6 +311,7 @@ def decode_plans(call: Call, device: torch.device, cache: tuple, batch: int, kv_
                                  block_size, p, device, num_splits),)
     args = (batch, heads, kv_heads, p.nq, call.head_dim, call.value_dim, call.paged, block_size, p, device,
             dot_precision(call.dtype), num_splits, call.kv_dtype == FP8, call.softcap)
+    shared = bool(cache) and cache[0] is not None and values_in_keys(*cache)
     if call.packed:
-        return portable_decode.packed_plans(*args, dtype=call.dtype)
-    return (portable_decode.plan(*args),)
+        return portable_decode.packed_plans(*args, dtype=call.dtype, values_in_keys=shared)
+    return (portable_decode.plan(*args, values_in_keys=shared),)

@@ -30,7 +30,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from ...pattern import Pattern, cdiv
 from ..common.fp8 import half_queries, load_descales
 from ..common.rule import bounds, mask, packed_slot, rule, sequence_bounds
-from ..common.sizes import pad_head_dim
+from ..common.sizes import head_lanes, head_parts, pad_head_dim
 from ..common.softmax import finish_state, softcapped, softmax_step, start_state
 from ..common.split import Plan, decode_program, decode_rows, early_combine, merge_options, visible_blocks
 from ..common.walk import block_at, kv_blocks, steps
@@ -43,6 +43,11 @@ MAX_SPLITS = 64
 SHORT_QUERIES = 4  # a packed step's sequences of at most this many queries split their keys (packed_plans)
 SPLIT_KEYS = 2048  # keys one split walks at most (while MAX_SPLITS allows): 32 tiles of 64
 PAGED_REGISTERS = 64  # per thread: a paged 16-bit cache's kernel on Hopper, 16 rows of narrow heads
+# A latent cache (multi-head latent attention: 576-lane keys, the values their first 512, one kv head under 128
+# query heads), held as 512 + 64 lanes: 64 stacked rows over two warpgroups, so that warpgroup products serve it
+# and 128 heads read the cache twice rather than eight times; 32-key tiles keep the 64 x 512 accumulator and a
+# double-buffered key tile on chip.
+LATENT_ROWS, LATENT_KEYS, LATENT_WARPS, LATENT_STAGES = 64, 32, 8, 2
 
 
 @triton.jit
@@ -60,6 +65,18 @@ def _block_ptrs(Cache, BlockTable, b, hkv, start_n, offs_n, offs_d, stride_c, st
 
 
 @triton.jit
+def _share(part: tl.constexpr, lo, hi, whole, whole_end):
+    """``(lo, hi)`` of this split's steps ``[lo, hi)`` in part ``part`` of the walk by step: 0 the masked steps
+    before ``whole``, 1 the whole blocks up to ``whole_end``, 2 the masked ones after (:func:`steps`)."""
+    if part == 0:
+        return lo, tl.minimum(hi, whole)
+    elif part == 1:
+        return tl.maximum(lo, whole), tl.minimum(hi, whole_end)
+    else:
+        return tl.maximum(lo, whole_end), hi
+
+
+@triton.jit
 def _widen_values(v, PTX_WIDEN: tl.constexpr):
     """An FP8 value tile (BLOCK_N, DV_PAD) as float16, exactly (every e4m3 value is one). PTX_WIDEN: Ada's and
     Hopper's pair conversion, written as inline PTX that is not pure, so that Triton converts in the layout the
@@ -74,18 +91,22 @@ def _widen_values(v, PTX_WIDEN: tl.constexpr):
 
 
 @triton.jit
-def _fold_steps(acc, m_i, l_i, q, rows, i_lo, i_hi, cache, blocks, rule, scores, HEAD_DIM: tl.constexpr,
-                VALUE_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PRECISION: tl.constexpr,
-                PTX_WIDEN: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
+def _fold_steps(acc, m_i, l_i, q, q_tail, rows, i_lo, i_hi, cache, blocks, rule, scores, HEAD_DIM: tl.constexpr,
+                HEAD_TAIL: tl.constexpr, VALUE_DIM: tl.constexpr, VALUES_IN_KEYS: tl.constexpr,
+                BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PRECISION: tl.constexpr, PTX_WIDEN: tl.constexpr,
+                SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
     """Fold steps ``i_lo .. i_hi`` of the walk by step (:func:`block_at` of ``blocks``) into the rows' state
-    ``(acc, m_i, l_i)``; q: (BLOCK_R, D_PAD), rows: their query indices. ``cache``: (K, V, BlockTable, b, hkv,
+    ``(acc, m_i, l_i)``; q: (BLOCK_R, D_HEAD) and, with a HEAD_TAIL, q_tail: (BLOCK_R, HEAD_TAIL), the lanes past
+    it (else q again, unread); rows: their query indices. VALUES_IN_KEYS: V is K's first lanes (a latent cache),
+    the key tile serves as the value tile. ``cache``: (K, V, BlockTable, b, hkv,
     stride_k, stride_v, stride_bt, page_size); ``scores``: (qk_scale, softcap) as :func:`softcapped` takes them.
     MASKED blocks evaluate the rule per key; the others are whole blocks below nk that every row sees, loaded and
     scored without masks."""
     K, V, BlockTable, b, hkv, stride_k, stride_v, stride_bt, page_size = cache
     qk_scale, softcap = scores
     nk = rule.nk
-    offs_d = tl.arange(0, pad_head_dim(HEAD_DIM))
+    offs_d = tl.arange(0, head_lanes(HEAD_DIM, HEAD_TAIL))
+    offs_t = head_lanes(HEAD_DIM, HEAD_TAIL) + tl.arange(0, max(HEAD_TAIL, 16))  # unused without a tail
     offs_dv = tl.arange(0, pad_head_dim(VALUE_DIM))
     offs_n = tl.arange(0, BLOCK_N)
     for i in range(i_lo, i_hi):
@@ -96,12 +117,19 @@ def _fold_steps(acc, m_i, l_i, q, rows, i_lo, i_hi, cache, blocks, rule, scores,
                                 PAGED),
                     mask=key_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)  # (BLOCK_N, D_PAD)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # (BLOCK_R, BLOCK_N) raw scores
+        if HEAD_TAIL:  # the lanes past the head part, into the same scores
+            k_tail = tl.load(_block_ptrs(K, BlockTable, b, hkv, start_n, offs_n, offs_t, stride_k, stride_bt,
+                                         page_size, PAGED), mask=key_ok[:, None], other=0.0)  # (BLOCK_N, HEAD_TAIL)
+            s = tl.dot(q_tail, tl.trans(k_tail), s, input_precision=PRECISION)
         s = softcapped(s, softcap, SOFTCAP)
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, rows, cols, qk_scale, rule, MASKED, True)
         acc = acc * alpha[:, None]
-        v = tl.load(_block_ptrs(V, BlockTable, b, hkv, start_n, offs_n, offs_dv, stride_v, stride_bt, page_size,
-                                PAGED),
-                    mask=key_ok[:, None] & (offs_dv[None, :] < VALUE_DIM), other=0.0)  # (BLOCK_N, DV_PAD)
+        if VALUES_IN_KEYS:  # (BLOCK_N, DV_PAD): DV_PAD is the head part's width
+            v = k
+        else:
+            v = tl.load(_block_ptrs(V, BlockTable, b, hkv, start_n, offs_n, offs_dv, stride_v, stride_bt, page_size,
+                                    PAGED),
+                        mask=key_ok[:, None] & (offs_dv[None, :] < VALUE_DIM), other=0.0)  # (BLOCK_N, DV_PAD)
         if v.dtype == tl.float8e4nv:  # an FP8 cache: P V in float16 (P in FP8 would miss the accuracy bar)
             v = _widen_values(v, PTX_WIDEN)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
@@ -115,10 +143,10 @@ def _decode(Q, K, V, BlockTable, Seqlens, CuQ, Sinks, Out, Lse, QDescale, KDesca
             stride_q, stride_k, stride_v, stride_bt, stride_o, stride_lse,
             nq, group, added, short_q, batch, left, right, sink_tokens, chunk, page_size, qk_scale, softcap,
             stride_ds,
-            HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-            TILE_QUERIES: tl.constexpr, SERVES: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
-            MASK: tl.constexpr, PRECISION: tl.constexpr, PTX_WIDEN: tl.constexpr, SOFTCAP: tl.constexpr,
-            PDL: tl.constexpr):
+            HEAD_DIM: tl.constexpr, HEAD_TAIL: tl.constexpr, VALUE_DIM: tl.constexpr, VALUES_IN_KEYS: tl.constexpr,
+            BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, TILE_QUERIES: tl.constexpr, SERVES: tl.constexpr,
+            PAGED: tl.constexpr, SPLIT: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
+            PTX_WIDEN: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr):
     """Q: (B, Hq, nq, HEAD_DIM), or packed (total_q, Hq, HEAD_DIM) with CuQ (B + 1,) int32 (sequence
     ``b``'s queries are rows ``CuQ[b] .. CuQ[b + 1]``, at most ``nq``); K, V: contiguous (B, Hkv,
     Nmax, HEAD_DIM / VALUE_DIM) or, with PAGED, (pages, page_size, Hkv, ...) read through BlockTable (B,
@@ -136,8 +164,11 @@ def _decode(Q, K, V, BlockTable, Seqlens, CuQ, Sinks, Out, Lse, QDescale, KDesca
     KDescale, VDescale and ``stride_ds`` the descales as :func:`load_descales` takes them, else None; PTX_WIDEN
     as :func:`_widen_values` takes it.
     PDL: :func:`combine` may launch once every program has walked its keys (programmatic dependent launch).
+    HEAD_TAIL: a head dim held in two parts (:func:`head_parts`, 16-bit caches), the tail's lanes, else 0 (one
+    part, padded). VALUES_IN_KEYS: V is a view of K's first VALUE_DIM lanes, the head part's width (multi-head
+    latent attention's cache): the values are read with the keys.
     """
-    D_PAD: tl.constexpr = pad_head_dim(HEAD_DIM)
+    D_HEAD: tl.constexpr = head_lanes(HEAD_DIM, HEAD_TAIL)
     DV_PAD: tl.constexpr = pad_head_dim(VALUE_DIM)
     if SERVES == "long":  # grid (slots, Hkv): each slot one tile of one sequence
         split, splits, hkv = 0, 1, tl.program_id(1)
@@ -161,11 +192,15 @@ def _decode(Q, K, V, BlockTable, Seqlens, CuQ, Sinks, Out, Lse, QDescale, KDesca
     real = offs_r < group * seq_q
     heads = (hkv * group + tl.where(real, offs_r, 0) % group).to(tl.int64)
     rows = tl.where(real, offs_r, 0) // group  # query index of each stacked row
-    offs_d = tl.arange(0, D_PAD)
+    offs_d = tl.arange(0, D_HEAD)
     offs_dv = tl.arange(0, DV_PAD)
     q_rows = b * stride_q[0] + heads * stride_q[1] + (q_start + rows) * stride_q[2]
     q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=real[:, None] & (offs_d[None, :] < HEAD_DIM),
-                other=0.0)  # (BLOCK_R, D_PAD)
+                other=0.0)  # (BLOCK_R, D_HEAD)
+    q_tail = q
+    if HEAD_TAIL:
+        offs_t = D_HEAD + tl.arange(0, HEAD_TAIL)
+        q_tail = tl.load(Q + q_rows[:, None] + offs_t[None, :], mask=real[:, None], other=0.0)  # (BLOCK_R, HEAD_TAIL)
     if K.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:  # an FP8 cache: Q K^T in float16
         if SOFTCAP:
             q, softcap = half_queries(q, softcap)
@@ -188,22 +223,16 @@ def _decode(Q, K, V, BlockTable, Seqlens, CuQ, Sinks, Out, Lse, QDescale, KDesca
     scores = (qk_scale, softcap)
     # a paged cache's decode waits on its block-table lookups, and more loops cost it registers and pipeline
     # fills: one masked loop; a long sequence's tiles are compute-bound, and skip the mask on whole blocks
-    if PAGED and SERVES != "long":
-        acc, m_i, l_i = _fold_steps(acc, m_i, l_i, q, rows, lo, hi, cache, blocks, seq_rule, scores, HEAD_DIM,
-                                    VALUE_DIM, BLOCK_N, PAGED, PRECISION, PTX_WIDEN, SOFTCAP, True)
-    else:  # masked, whole and masked blocks, each loop entered only with blocks to walk
-        if lo < tl.minimum(hi, whole):
-            acc, m_i, l_i = _fold_steps(acc, m_i, l_i, q, rows, lo, tl.minimum(hi, whole), cache, blocks, seq_rule,
-                                        scores, HEAD_DIM, VALUE_DIM, BLOCK_N, PAGED, PRECISION, PTX_WIDEN, SOFTCAP,
-                                        True)
-        if tl.maximum(lo, whole) < tl.minimum(hi, whole_end):
-            acc, m_i, l_i = _fold_steps(acc, m_i, l_i, q, rows, tl.maximum(lo, whole), tl.minimum(hi, whole_end),
-                                        cache, blocks, seq_rule, scores, HEAD_DIM, VALUE_DIM, BLOCK_N, PAGED,
-                                        PRECISION, PTX_WIDEN, SOFTCAP, False)
-        if tl.maximum(lo, whole_end) < hi:
-            acc, m_i, l_i = _fold_steps(acc, m_i, l_i, q, rows, tl.maximum(lo, whole_end), hi, cache, blocks,
-                                        seq_rule, scores, HEAD_DIM, VALUE_DIM, BLOCK_N, PAGED, PRECISION,
-                                        PTX_WIDEN, SOFTCAP, True)
+    ONE_LOOP: tl.constexpr = PAGED and SERVES != "long"
+    for part in tl.static_range(1 if ONE_LOOP else 3):  # masked, whole and masked blocks
+        part_lo, part_hi = lo, hi
+        if not ONE_LOOP:
+            part_lo, part_hi = _share(part, lo, hi, whole, whole_end)
+        if ONE_LOOP or part_lo < part_hi:  # each loop entered only with blocks to walk (the one loop always)
+            acc, m_i, l_i = _fold_steps(
+                acc, m_i, l_i, q, q_tail, rows, part_lo, part_hi, cache, blocks, seq_rule, scores, HEAD_DIM=HEAD_DIM,
+                HEAD_TAIL=HEAD_TAIL, VALUE_DIM=VALUE_DIM, VALUES_IN_KEYS=VALUES_IN_KEYS, BLOCK_N=BLOCK_N, PAGED=PAGED,
+                PRECISION=PRECISION, PTX_WIDEN=PTX_WIDEN, SOFTCAP=SOFTCAP, MASKED=ONE_LOOP or part != 1)
 
     if PDL:  # the combine may launch now: this program's walk is done
         gdc_launch_dependents()
@@ -242,19 +271,37 @@ def default_splits(programs: int, visible: int, block_n: int, device: torch.devi
     return max(1, min(max(fill, cdiv(visible * block_n, SPLIT_KEYS)), MAX_SPLITS))
 
 
+def latent(D: int, Dv: int, fp8: bool, values_in_keys: bool) -> bool:
+    """Whether a cache takes the latent tiles (``LATENT_ROWS``): 16-bit, its values its keys' first lanes, and its
+    head dim held in two parts whose first is the values' width (576 = 512 + 64)."""
+    head, tail = head_parts(D)
+    return values_in_keys and not fp8 and tail > 0 and pad_head_dim(Dv) == head
+
+
+def _rows(stacked: int, D: int, Dv: int, is_latent: bool) -> int:
+    """Stacked rows a program holds: :func:`stacked_rows`, or for a latent cache up to ``LATENT_ROWS``."""
+    if is_latent:
+        return min(LATENT_ROWS, max(16, triton.next_power_of_2(stacked)))
+    return stacked_rows(stacked, pad_head_dim(D) + pad_head_dim(Dv))
+
+
 def _plan(B: int, Hkv: int, group: int, nq: int, D: int, Dv: int, block_r: int, paged: bool, block_size: int,
           pattern: Pattern, device: torch.device, precision: str, num_splits: int | None, fp8: bool, softcap: bool,
-          serves: str = "all", short_q: int = 0) -> Plan:
+          serves: str = "all", short_q: int = 0, is_latent: bool = False) -> Plan:
     """One launch of this kernel over ``B`` sequences of at most ``nq`` queries, ``block_r`` stacked rows a
     program (``serves``, ``short_q``: the sequences it takes, as ``_decode`` reads them; a long launch's grid
-    grows with total_q, :class:`Plan`'s ``slot_rows``)."""
+    grows with total_q, :class:`Plan`'s ``slot_rows``; ``is_latent``: :func:`latent`)."""
     width = pad_head_dim(D) + pad_head_dim(Dv)
     block_n = block_keys(paged, block_size, width, fp8)
+    warps = 4
+    if is_latent:
+        block_n = next(n for n in (LATENT_KEYS, 16) if not paged or block_size % n == 0)
+        warps = LATENT_WARPS
     row_tiles = cdiv(group * nq, block_r)
     visible = visible_blocks(pattern, nq, block_n)
     splits = num_splits or default_splits(B * Hkv * row_tiles, visible, block_n, device)
     major = card.capability_major(device) if device.type == "cuda" else 0
-    stages = 3 if major >= 9 else 2  # Hopper: three tiles in flight
+    stages = LATENT_STAGES if is_latent else 3 if major >= 9 else 2  # Hopper: three tiles in flight
     # a paged 16-bit cache, 16 rows of narrow heads, on Hopper: 64 registers (no spills) fit eight programs an SM
     # where the compiler's 80 fit six, more block-table lookups in flight
     capped = major == 9 and paged and not fp8 and block_r <= 16 and width <= 128
@@ -262,29 +309,32 @@ def _plan(B: int, Hkv: int, group: int, nq: int, D: int, Dv: int, block_r: int, 
     args = dict(nq=nq, group=group, short_q=short_q, batch=B, **bounds(pattern), page_size=block_size if paged else 1)
     long = serves == "long"
     return Plan(_decode, (B, Hkv, 1) if long else (splits, Hkv * row_tiles, B), splits, args, constexprs(
-        HEAD_DIM=D, VALUE_DIM=Dv, BLOCK_R=block_r, BLOCK_N=block_n, TILE_QUERIES=cdiv(block_r, group) + 1,
-        SERVES=serves, PAGED=paged, SPLIT=splits > 1, MASK=mask(pattern), PRECISION=precision,
-        PTX_WIDEN=fp8 and card.nvidia(device), SOFTCAP=softcap, PDL=early_combine(device), num_warps=4,
+        HEAD_DIM=D, HEAD_TAIL=head_parts(D)[1] if is_latent else 0, VALUE_DIM=Dv, VALUES_IN_KEYS=is_latent,
+        BLOCK_R=block_r, BLOCK_N=block_n, TILE_QUERIES=cdiv(block_r, group) + 1, SERVES=serves, PAGED=paged,
+        SPLIT=splits > 1, MASK=mask(pattern), PRECISION=precision, PTX_WIDEN=fp8 and card.nvidia(device),
+        SOFTCAP=softcap, PDL=early_combine(device), num_warps=warps,
         num_stages=stages, **cap),
         merge_options(Dv, splits, device), nq, block_r if long else 0)
 
 
 @functools.lru_cache(maxsize=256)
 def plan(B: int, Hq: int, Hkv: int, nq: int, D: int, Dv: int, paged: bool, block_size: int, pattern: Pattern,
-         device: torch.device, precision: str, num_splits: int | None, fp8: bool, softcap: bool = False) -> Plan:
+         device: torch.device, precision: str, num_splits: int | None, fp8: bool, softcap: bool = False, *,
+         values_in_keys: bool = False) -> Plan:
     """The launch of a decode step with this kernel (``block_size``: a paged cache's, else 0; ``pattern``: at the
     cache's capacity; ``precision``: :func:`gstar.kernels.portable.tiles.dot_precision` of q's dtype;
-    ``num_splits``: the caller's, or None; ``softcap``: whether the scores are soft-capped)."""
+    ``num_splits``: the caller's, or None; ``softcap``: whether the scores are soft-capped; ``values_in_keys``:
+    V is a view of K's first lanes, :func:`gstar.kvcache.values_in_keys`)."""
     group = Hq // Hkv
-    block_r = stacked_rows(group * nq, pad_head_dim(D) + pad_head_dim(Dv))
-    return _plan(B, Hkv, group, nq, D, Dv, block_r, paged, block_size, pattern, device, precision, num_splits, fp8,
-                 softcap)
+    is_latent = latent(D, Dv, fp8, values_in_keys)
+    return _plan(B, Hkv, group, nq, D, Dv, _rows(group * nq, D, Dv, is_latent), paged, block_size, pattern, device,
+                 precision, num_splits, fp8, softcap, is_latent=is_latent)
 
 
 @functools.lru_cache(maxsize=256)
 def packed_plans(B: int, Hq: int, Hkv: int, max_q: int, D: int, Dv: int, paged: bool, block_size: int,
                  pattern: Pattern, device: torch.device, precision: str, num_splits: int | None, fp8: bool,
-                 softcap: bool = False, *, dtype: torch.dtype) -> tuple[Plan, ...]:
+                 softcap: bool = False, *, dtype: torch.dtype, values_in_keys: bool = False) -> tuple[Plan, ...]:
     """The launches of a packed step (``B`` sequences of 0 to ``max_q`` queries each, arguments as :func:`plan`
     takes them, ``pattern`` at ``max_q`` queries, ``dtype`` the queries'): the sequences of at most
     ``SHORT_QUERIES`` queries (as many as one program's rows hold: decode tokens, a few drafts) split their keys
@@ -294,15 +344,15 @@ def packed_plans(B: int, Hq: int, Hkv: int, max_q: int, D: int, Dv: int, paged: 
     spans the whole batch and skips the other's sequences on the device, so the mix may change from step to step
     without a sync."""
     group = Hq // Hkv
-    width = pad_head_dim(D) + pad_head_dim(Dv)
-    short_rows = stacked_rows(group * min(max_q, SHORT_QUERIES), width)
+    is_latent = latent(D, Dv, fp8, values_in_keys)
+    short_rows = _rows(group * min(max_q, SHORT_QUERIES), D, Dv, is_latent)
     short_q = min(short_rows // group, max_q)
     short = (_plan(B, Hkv, group, short_q, D, Dv, short_rows, paged, block_size, pattern.resized(short_q, pattern.nk),
-                   device, precision, num_splits, fp8, softcap, "short", short_q),) if short_q else ()
+                   device, precision, num_splits, fp8, softcap, "short", short_q, is_latent),) if short_q else ()
     if max_q <= short_q:
         return short
     if not fp8:
         return short + (cache_plan(B, Hq, Hkv, max_q, D, Dv, dtype, block_size if paged else 0, pattern, device,
                                    precision, softcap, short_q),)
-    return short + (_plan(B, Hkv, group, max_q, D, Dv, stacked_rows(group * max_q, width), paged, block_size, pattern,
-                          device, precision, 1, fp8, softcap, "long", short_q),)
+    return short + (_plan(B, Hkv, group, max_q, D, Dv, _rows(group * max_q, D, Dv, False), paged, block_size,
+                          pattern, device, precision, 1, fp8, softcap, "long", short_q),)

@@ -40,6 +40,7 @@ from ...fp8 import FP8
 from ...pattern import Pattern, cdiv
 from ..common.fp8 import descale_args, load_descales
 from ..common.rule import bounds, mask, rule, sequence_bounds
+from ..common.sizes import head_parts
 from ..common.softmax import LOG2E, finish_state, sink_max, softmax_step
 from ..common.walk import block_at, first_block, kv_blocks, steps, tiles_fastest
 from .. import card
@@ -59,16 +60,8 @@ class Tiles(NamedTuple):
 # (D, Dv) -> tiles. At D = 64 the softmax sets a step's pace, and a third consumer gives each warpgroup's
 # softmax two others' products to hide under; at D = 128 three do not fit the registers. At D = 256 a block of
 # 64 keys keeps two K and two V slots beside Q in shared memory, and each consumer's (64, 256) float32
-# accumulator takes half its registers. D = 192 is held in two parts (:func:`parts`), V and the output in 128 lanes.
+# accumulator takes half its registers. D = 192 is held in two parts (:func:`head_parts`), V and the output in 128 lanes.
 TILES = {(64, 64): Tiles(3, 128), (128, 128): Tiles(2, 128), (192, 128): Tiles(2, 128), (256, 256): Tiles(2, 64)}
-
-
-def parts(head_dim: int) -> tuple[int, int]:
-    """A head dim as ``(head, tail)`` lanes of Q and K tiles whose widths are powers of two, as the copy engine's
-    tiles must be: 192 = 128 + 64 (two products into one score tile, no lane of zeros); a power of two is one
-    part (tail 0)."""
-    head = 1 << (head_dim.bit_length() - 1)
-    return head, head_dim - head
 
 
 def block_m(head_dim: int, value_dim: int | None = None) -> int:
@@ -87,7 +80,7 @@ class ForwardSmem:
     """A program's shared memory, by name. Tiles: ``q`` (a 64-row part per consumer for each Q slot), ``k``,
     ``v`` (rings of STAGES blocks of BLOCK_N x D or Dv), ``o`` (the output's parts: ``q`` itself, or FP8's one
     set of its own); ``q_tail``, ``k_tail``: the lanes of a head dim held in two parts past the first part's
-    (:func:`parts`; None for one part), slots beside ``q``'s and ``k``'s. Barriers: ``q_ready``, ``q_empty`` per
+    (:func:`head_parts`; None for one part), slots beside ``q``'s and ``k``'s. Barriers: ``q_ready``, ``q_empty`` per
     Q slot; ``k_ready``, ``k_empty``, ``v_ready``, ``v_empty`` per ring slot (:func:`ring_barriers`)."""
     q: gl.shared_memory_descriptor
     k: gl.shared_memory_descriptor
@@ -462,7 +455,7 @@ def _forward_sm90(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, o_desc, Out,
 
     Dense (CuQ, CuK, Out None): q_desc, o_desc: descriptors over (B, Hq, Nq, D or Dv) moving (1, 1, 64, D or Dv)
     tiles; k_desc, v_desc: over (B, Hkv, Nk, D or Dv) moving (1, 1, BLOCK_N, D or Dv) (BLOCK_N: :data:`TILES`);
-    a head dim held in two parts (:func:`parts`): q_desc and k_desc move the first part's lanes, q_tail_desc and
+    a head dim held in two parts (:func:`head_parts`): q_desc and k_desc move the first part's lanes, q_tail_desc and
     k_tail_desc the rest (else None); Lse: (B, Hq, Nq) float32, unit row stride;
     n_tiles = cdiv(Nq, 64 * CONSUMERS). Packed (CuQ, CuK: (B + 1,) int32): sequence s has rows
     ``CuQ[s] .. CuQ[s + 1]`` of the (1, Hq, total_q, D) view under q_desc and keys ``CuK[s] .. CuK[s + 1]``
@@ -545,7 +538,7 @@ def forward(q, k, v, sinks, out, lse, pattern: Pattern, scale: float, cu_seqlens
     cu_q, cu_k = cu_seqlens or (None, None)
     seqs = B if cu_q is None else cu_q.shape[0] - 1
     consumers, block_n = TILES[D, Dv]
-    head, tail = parts(D)
+    head, tail = head_parts(D)
     tiles = cdiv(pattern.nq, block_m(D, Dv))
     items = tiles * Hq * seqs
     # dense full attention: one program per SM (one fits: registers) walking items of equal work, each item's

@@ -55,7 +55,7 @@ def ring_load(desc, coord, ring, ready, empty, i, tail_desc=None, tail_coord=Non
     """Copy the tile at ``coord`` into slot ``i % slots`` of ``ring`` (slots: its first dim) once every consumer
     has freed the slot (a fresh barrier counts as freed: the first wait is on phase 1), completing on the
     slot's ``ready`` barrier. ``tail_desc``: the tile's second part (a head dim held in two,
-    :func:`gstar.kernels.sm90.forward.parts`), from ``tail_coord`` into the same slot of ``tail``, on the same
+    :func:`gstar.kernels.common.sizes.head_parts`), from ``tail_coord`` into the same slot of ``tail``, on the same
     barrier."""
     slots: gl.constexpr = ring.shape[0]
     mbarrier.wait(empty.index(i % slots), ((i // slots) & 1) ^ 1)
