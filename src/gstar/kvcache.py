@@ -268,7 +268,9 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_s
             ``(total_q, Hq, D)`` with ``cu_seqlens_q``: a serving step's mix, each sequence its own count.
         k_cache, v_cache: contiguous ``(B, Hkv, Nmax, D)`` / ``(B, Hkv, Nmax, Dv)``, or paged
             ``(num_blocks, block_size, Hkv, D)`` / ``(..., Dv)`` with ``block_table``; q's dtype and device,
-            unit last stride, ``Hq % Hkv == 0``.
+            unit last stride, ``Hq % Hkv == 0``. A latent cache (multi-head latent attention decoded with
+            absorbed weights) passes ``v_cache = k_cache[..., :Dv]``: the kernel then reads each key once for both
+            (16-bit caches whose D splits into two powers of two, the first ``Dv``: 576 = 512 + 64).
         k, v: ``(B, Hkv, Nq, D)`` / ``(..., Dv)`` (packed: ``(total_q, Hkv, D)`` / ``(..., Dv)``): written into
             the cache at positions ``cache_seqlens[b]`` .. ``+ Nq - 1`` (in place, one small indexed copy before
             the attention) and attended to.
