@@ -294,8 +294,9 @@ def decode_forward(q, cache, cache_seqlens, added: int, sinks, pattern: Pattern,
 def values_in_keys(k, v) -> bool:
     """Whether a cache's values are a view of its keys' first lanes (multi-head latent attention's one cache read
     as both, as DeepSeek-V3 decodes with absorbed weights): the same storage, offset and strides, fewer lanes."""
-    return (v.dtype == k.dtype and v.shape[-1] <= k.shape[-1] and v.stride() == k.stride()
-            and v.storage_offset() == k.storage_offset()
+    # the pointers first: one compare rejects a cache of its own on the decode path (meta tensors all share 0)
+    return (v.data_ptr() == k.data_ptr() and v.dtype == k.dtype and v.shape[-1] <= k.shape[-1]
+            and v.stride() == k.stride() and v.storage_offset() == k.storage_offset()
             and v.untyped_storage()._cdata == k.untyped_storage()._cdata)
 
 

@@ -52,7 +52,8 @@ def _block_offsets(Pages, start_n, page_size, key_strides, value_strides):
 
 @triton.jit
 def _attend_blocks(acc, m_i, l_i, q, rows, acc2, m2, l2, q2, rows2, k_ptrs, v_ptrs, key_strides, value_strides,
-                   Pages, page_size, offs_n, block_lo, block_hi, qk_scale, softcap, rule, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+                   Pages, page_size, offs_n, block_lo, block_hi, qk_scale, softcap, rule, HEAD_DIM: tl.constexpr,
+                   VALUE_DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MAY_BE_EMPTY: tl.constexpr, PRECISION: tl.constexpr,
                    HALVES: tl.constexpr, SOFTCAP: tl.constexpr):
     """Fold KV blocks ``[block_lo, block_hi)`` into the running state of one Q tile.
